@@ -1,0 +1,60 @@
+"""The few atomic operations a ledger store must provide.
+
+A backend stores one `Record` per key. The guard needs only:
+
+* `insert` — store a record if its key is absent (the claim), atomically;
+* `replace` — store a record if the stored one is still `current` (same token and
+  revision), atomically; every transition after the claim goes through it;
+* `get`, `scan` and `delete` for replays, waiting, inspection and clean-up.
+
+Backends raise `LedgerUnavailable` with a specific message when they cannot read or
+write; the guard treats any other exception from a backend the same way (fail closed).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+from ._record import Record, Status
+
+
+class CacheBackend(ABC):
+    """Base class of ledger stores. Subclasses must be safe to share between threads."""
+
+    #: False only for stores that lose everything when the process ends.
+    durable: bool = True
+
+    def now(self) -> float:
+        """The store's clock in epoch seconds; leases and TTLs are measured against it."""
+        return time.time()
+
+    @abstractmethod
+    def insert(self, record: Record) -> Record | None:
+        """Store `record` if no record has its key. Return None if stored, else the holder."""
+
+    @abstractmethod
+    def replace(self, current: Record, new: Record) -> bool:
+        """Store `new` if the stored record still has `current`'s token and revision."""
+
+    @abstractmethod
+    def get(self, key: str) -> Record | None:
+        """The record stored under `key`, or None."""
+
+    @abstractmethod
+    def scan(self, status: Status | None = None) -> Iterator[Record]:
+        """Every record (or every record in `status`), oldest update first."""
+
+    @abstractmethod
+    def delete(self, current: Record) -> bool:
+        """Remove the record if it is still `current`."""
+
+    def close(self) -> None:
+        """Release connections and file handles. The backend may not be used afterwards."""
+
+    def __enter__(self) -> CacheBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

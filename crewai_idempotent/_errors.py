@@ -1,0 +1,77 @@
+"""The errors the guard raises, and the one signal a tool body may raise."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._record import Record
+
+
+class IdempotencyError(Exception):
+    """Base class of every error the guard raises."""
+
+
+class InvalidIdempotencyKey(IdempotencyError, ValueError):
+    """The key is empty, too long, or contains control characters; nothing ran."""
+
+
+class IdempotencyKeyConflict(IdempotencyError):
+    """The key was already used for different arguments; nothing ran."""
+
+    def __init__(self, key: str, stored_fingerprint: str, fingerprint: str) -> None:
+        self.key = key
+        self.stored_fingerprint = stored_fingerprint
+        self.fingerprint = fingerprint
+        super().__init__(
+            f"idempotency key {key!r} was already used with different arguments "
+            f"(stored fingerprint {stored_fingerprint[:12]}, this call {fingerprint[:12]}); "
+            "nothing was run"
+        )
+
+
+class OperationInProgress(IdempotencyError):
+    """Another worker holds a live claim on the key and did not finish in time."""
+
+    def __init__(self, key: str, record: Record, waited_s: float) -> None:
+        self.key = key
+        self.record = record
+        self.waited_s = waited_s
+        owner = record.owner.label if record.owner else "unknown owner"
+        super().__init__(
+            f"idempotency key {key!r} is being executed by {owner} "
+            f"(token {record.token}); waited {waited_s:.1f} s, nothing was run"
+        )
+
+
+class OutcomeUncertain(IdempotencyError):
+    """Whether the operation happened is unknown; nothing runs until it is resolved."""
+
+    def __init__(self, key: str, record: Record | None, reason: str) -> None:
+        self.key = key
+        self.record = record
+        self.reason = reason
+        super().__init__(
+            f"outcome of idempotency key {key!r} is uncertain: {reason}. Nothing was run; "
+            f"reconcile it with the provider, then `crewai-idempotent resolve {key!r} "
+            "--happened/--absent`"
+        )
+
+
+class LedgerUnavailable(IdempotencyError):
+    """The ledger could not be read or written; the guarded body did not run."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+
+class ResolutionRefused(IdempotencyError):
+    """Only an uncertain record, or a pending one whose lease expired, can be resolved."""
+
+
+class OutcomeUnknown(Exception):  # noqa: N818 - a signal raised by tool bodies, not a failure
+    """Raised by a tool body to say "the effect may have happened" (e.g. a provider timeout).
+
+    The record becomes UNCERTAIN rather than FAILED, so nothing re-runs it blindly.
+    """

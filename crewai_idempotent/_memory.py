@@ -1,0 +1,53 @@
+"""A ledger in a dict. For tests only: it is not durable and not shared between processes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from ._backend import CacheBackend
+from ._record import Record, Status
+
+
+class InMemoryCacheBackend(CacheBackend):
+    """Not durable: every record is lost when the process ends. Use it in tests only."""
+
+    durable = False
+
+    def __init__(self) -> None:
+        self._records: dict[str, Record] = {}
+        self._lock = threading.Lock()
+
+    def insert(self, record: Record) -> Record | None:
+        with self._lock:
+            held = self._records.get(record.key)
+            if held is None:
+                self._records[record.key] = record
+            return held
+
+    def replace(self, current: Record, new: Record) -> bool:
+        with self._lock:
+            held = self._records.get(current.key)
+            if held is None or (held.token, held.revision) != (current.token, current.revision):
+                return False
+            self._records[current.key] = new
+            return True
+
+    def get(self, key: str) -> Record | None:
+        return self._records.get(key)
+
+    def scan(self, status: Status | None = None) -> Iterator[Record]:
+        with self._lock:
+            records = sorted(self._records.values(), key=lambda r: r.updated_at)
+        return iter([r for r in records if status is None or r.status is status])
+
+    def delete(self, current: Record) -> bool:
+        with self._lock:
+            held = self._records.get(current.key)
+            if held is None or held.revision != current.revision:
+                return False
+            del self._records[current.key]
+            return True
+
+    def __repr__(self) -> str:
+        return "InMemoryCacheBackend()"

@@ -1,0 +1,154 @@
+"""One record per idempotency key, and the states it moves through."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    PENDING = "PENDING"  # claimed; the body is running (or its owner died)
+    COMMITTED = "COMMITTED"  # done; `result` holds the receipt to replay
+    FAILED = "FAILED"  # the body raised before any effect; the next attempt may run
+    UNCERTAIN = "UNCERTAIN"  # the effect may or may not have happened; resolve first
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who holds (or held) a claim: host, process and a random id per claim."""
+
+    host: str
+    pid: int
+    id: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.host}:{self.pid}:{self.id}"
+
+    @classmethod
+    def current(cls) -> Owner:
+        return cls(_HOST, os.getpid(), secrets.token_hex(6))
+
+
+_HOST = socket.gethostname()
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One line of a record's history: what happened, when, under which token, by whom."""
+
+    at: float
+    kind: str  # claim, takeover, commit, fail, uncertain, fenced, reconcile, resolve, expire
+    token: int
+    by: str
+    note: str = ""
+
+
+HISTORY_LIMIT = 200  # bounded so that a key retried forever cannot grow without limit
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    key: str
+    status: Status
+    fingerprint: str
+    token: int  # fencing token: grows on every claim or takeover
+    revision: int  # grows on every write; backends compare-and-set on (token, revision)
+    owner: Owner | None
+    attempts: int
+    created_at: float
+    updated_at: float
+    lease_expires_at: float | None = None
+    expires_at: float | None = None  # TTL of a committed receipt
+    result: Any = None  # encoded by _results.encode; use Record.value() to decode
+    error: str | None = None
+    needs_operator: bool = False  # set when two executions may have happened
+    evidence: tuple[dict[str, Any], ...] = ()
+    history: tuple[Event, ...] = field(default=())
+
+    def value(self) -> Any:
+        """The stored result, decoded to what the body returned."""
+        from ._results import decode
+
+        return decode(self.result)
+
+    def lease_live(self, now: float) -> bool:
+        return (
+            self.status is Status.PENDING
+            and self.lease_expires_at is not None
+            and self.lease_expires_at > now
+        )
+
+    def expired(self, now: float) -> bool:
+        return (
+            self.status is Status.COMMITTED
+            and self.expires_at is not None
+            and self.expires_at <= now
+        )
+
+    def evolve(self, event: Event | None = None, **changes: Any) -> Record:
+        """A copy with `changes` applied, the next revision, and `event` appended."""
+        changes.setdefault("revision", self.revision + 1)
+        if event is not None:
+            history = self.history + (event,)
+            if len(history) > HISTORY_LIMIT:
+                history = history[:1] + history[-(HISTORY_LIMIT - 1) :]
+            changes["history"] = history
+        return replace(self, **changes)
+
+    def to_json(self) -> str:
+        owner = self.owner
+        return json.dumps(
+            {
+                "v": 1,
+                "key": self.key,
+                "status": self.status.value,
+                "fingerprint": self.fingerprint,
+                "token": self.token,
+                "revision": self.revision,
+                "owner": [owner.host, owner.pid, owner.id] if owner else None,
+                "attempts": self.attempts,
+                "created_at": self.created_at,
+                "updated_at": self.updated_at,
+                "lease_expires_at": self.lease_expires_at,
+                "expires_at": self.expires_at,
+                "result": self.result,
+                "error": self.error,
+                "needs_operator": self.needs_operator,
+                "evidence": list(self.evidence),
+                "history": [[e.at, e.kind, e.token, e.by, e.note] for e in self.history],
+            },
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Record:
+        d = json.loads(text)
+        owner = d["owner"]
+        return cls(
+            key=d["key"],
+            status=Status(d["status"]),
+            fingerprint=d["fingerprint"],
+            token=d["token"],
+            revision=d["revision"],
+            owner=Owner(owner[0], owner[1], owner[2]) if owner else None,
+            attempts=d["attempts"],
+            created_at=d["created_at"],
+            updated_at=d["updated_at"],
+            lease_expires_at=d["lease_expires_at"],
+            expires_at=d["expires_at"],
+            result=d["result"],
+            error=d["error"],
+            needs_operator=d["needs_operator"],
+            evidence=tuple(d["evidence"]),
+            history=tuple(Event(*e) for e in d["history"]),
+        )

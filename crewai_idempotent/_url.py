@@ -1,0 +1,79 @@
+"""Building a backend from a URL such as CREWAI_IDEMPOTENCY_URL."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ._backend import CacheBackend
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _sqlite(url: str) -> CacheBackend:
+    from ._sqlite import SQLiteCacheBackend
+
+    parts = urlsplit(url)
+    path, options = _local_path(url), dict(parse_qsl(parts.query))
+    return SQLiteCacheBackend(
+        path,
+        synchronous=options.get("synchronous", "FULL"),
+        busy_timeout_s=float(options.get("busy_timeout_s", 5.0)),
+        allow_insecure_path=options.get("allow_insecure_path", "").lower() in _TRUE,
+    )
+
+
+def _file(url: str) -> CacheBackend:
+    from ._filelock import FileLockCacheBackend
+
+    options = dict(parse_qsl(urlsplit(url).query))
+    return FileLockCacheBackend(
+        _local_path(url),
+        fsync=options.get("fsync", "true").lower() in _TRUE,
+        allow_insecure_path=options.get("allow_insecure_path", "").lower() in _TRUE,
+    )
+
+
+def _memory(url: str) -> CacheBackend:
+    from ._memory import InMemoryCacheBackend
+
+    return InMemoryCacheBackend()
+
+
+def _local_path(url: str) -> Path:
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"{url!r}: a local ledger URL has no host; use scheme:///absolute/path")
+    path = unquote(parts.path)
+    if not path or path == "/":
+        raise ValueError(f"{url!r} names no path")
+    return Path(path)
+
+
+def _lazy(module: str, factory: str) -> Callable[[str], CacheBackend]:
+    def build(url: str) -> CacheBackend:
+        built: CacheBackend = getattr(importlib.import_module(module, __package__), factory)(url)
+        return built
+
+    return build
+
+
+SCHEMES: dict[str, Callable[[str], CacheBackend]] = {
+    "sqlite": _sqlite,
+    "file": _file,
+    "memory": _memory,
+}
+
+
+def backend_from_url(url: str) -> CacheBackend:
+    """`sqlite:///abs/ledger.db?synchronous=NORMAL`, `file:///abs/dir`, `memory://`, and
+    the schemes that optional backends register (postgresql://, redis://)."""
+    scheme = urlsplit(url).scheme.lower()
+    try:
+        build = SCHEMES[scheme]
+    except KeyError:
+        known = ", ".join(sorted(SCHEMES))
+        raise ValueError(f"unknown ledger URL scheme {scheme!r} in {url!r}; known: {known}") from None
+    return build(url)
