@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
-import json
 import os
 import secrets
 import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import pydantic_core
 
 
 class Status(str, enum.Enum):
@@ -106,7 +107,8 @@ class Record:
 
     def to_json(self) -> str:
         owner = self.owner
-        return json.dumps(
+        # pydantic-core's encoder is several times faster than json.dumps on the hot path.
+        return pydantic_core.to_json(
             {
                 "v": 1,
                 "key": self.key,
@@ -126,13 +128,12 @@ class Record:
                 "evidence": list(self.evidence),
                 "history": [[e.at, e.kind, e.token, e.by, e.note] for e in self.history],
             },
-            separators=(",", ":"),
-            ensure_ascii=False,
-        )
+            inf_nan_mode="constants",
+        ).decode("utf-8")
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Record:
-        d = json.loads(text)
+        d = pydantic_core.from_json(text, allow_inf_nan=True)
         owner = d["owner"]
         return cls(
             key=d["key"],

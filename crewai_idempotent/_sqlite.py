@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,18 +96,38 @@ class SQLiteCacheBackend(CacheBackend):
         )
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if mode.lower() != "wal":
-                raise LedgerUnavailable(
-                    f"ledger {self.path} cannot use WAL mode (got {mode!r}); "
-                    "is it on a network or read-only filesystem?"
-                )
+            self._retry_busy(self._use_wal, conn)
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
-            self._migrate(conn)
+            self._retry_busy(self._migrate, conn)
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def _retry_busy(self, step, conn: sqlite3.Connection) -> None:  # type: ignore[no-untyped-def]
+        # Switching to WAL and recovering a WAL index return SQLITE_BUSY without calling
+        # the busy handler when several processes open a new ledger at once; retry those
+        # within the same time budget the busy timeout gives every other statement.
+        deadline = time.monotonic() + self.busy_timeout_s
+        while True:
+            try:
+                return step(conn)
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(random.uniform(0.001, 0.01))
+
+    def _use_wal(self, conn: sqlite3.Connection) -> None:
+        if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+            return
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise LedgerUnavailable(
+                f"ledger {self.path} cannot use WAL mode (got {mode!r}); "
+                "is it on a network or read-only filesystem?"
+            )
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
@@ -163,25 +185,31 @@ class SQLiteCacheBackend(CacheBackend):
             record.key, record.status.value, record.token, record.revision,
             record.updated_at, record.to_json(),
         )  # fmt: skip
-        while True:
-            # One autocommit statement: SQLite runs it as its own write transaction, so the
-            # insert-if-absent is atomic across threads and processes.
-            if self._guard(conn.execute, _INSERT, params).rowcount == 1:
-                return None
-            row = self._guard(conn.execute, _GET, (record.key,)).fetchone()
-            if row is not None:
-                return self._decode(row[0])
-            # deleted between the two statements: try the claim again
+        try:
+            while True:
+                # One autocommit statement: SQLite runs it as its own write transaction, so
+                # the insert-if-absent is atomic across threads and processes.
+                if conn.execute(_INSERT, params).rowcount == 1:
+                    return None
+                row = conn.execute(_GET, (record.key,)).fetchone()
+                if row is not None:
+                    return self._decode(row[0])
+                # deleted between the two statements: try the claim again
+        except (sqlite3.Error, OSError) as exc:
+            raise LedgerUnavailable(self._explain(exc)) from exc
 
     def replace(self, current: Record, new: Record) -> bool:
-        cursor = self._guard(
-            self._conn().execute,
-            _REPLACE,
-            (
-                new.status.value, new.token, new.revision, new.updated_at, new.to_json(),
-                current.key, current.token, current.revision,
-            ),
-        )  # fmt: skip
+        conn = self._conn()
+        try:
+            cursor = conn.execute(
+                _REPLACE,
+                (
+                    new.status.value, new.token, new.revision, new.updated_at, new.to_json(),
+                    current.key, current.token, current.revision,
+                ),
+            )  # fmt: skip
+        except (sqlite3.Error, OSError) as exc:
+            raise LedgerUnavailable(self._explain(exc)) from exc
         return cursor.rowcount == 1
 
     def get(self, key: str) -> Record | None:

@@ -1,0 +1,106 @@
+"""Real processes started together on the same keys: each body runs exactly once.
+
+Executions are counted at a fake provider (lines appended to a file the processes share),
+never in log lines.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from crewai_idempotent import Ledger, backend_from_url
+
+from .conftest import DURABLE_BACKENDS
+
+ROUNDS = int(os.environ.get("CREWAI_IDEMPOTENT_RACE_ROUNDS", "100"))
+PROCESSES = 8
+
+
+def _append(path: Path, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode() + b"\n")  # one small O_APPEND write: never interleaved
+    finally:
+        os.close(fd)
+
+
+def _worker(url: str, keys: list[str], effects: Path, results: Path, start_fd: int) -> None:
+    ledger = Ledger(backend_from_url(url), wait_s=30.0)
+    os.read(start_fd, 1)  # blocks until the parent closes the pipe: everyone starts at once
+    for key in keys:
+
+        def charge(key: str = key) -> str:
+            _append(effects, key)
+            time.sleep(random.uniform(0, 0.003))
+            return f"receipt:{key}:{os.getpid()}"
+
+        _append(results, f"{key} {ledger.run(key, charge)}")
+    ledger.close()
+
+
+def _race(url: str, plan: list[list[str]], effects: Path, results: Path) -> None:
+    """Fork one process per entry of `plan`, release them together, wait for all."""
+    read_end, write_end = os.pipe()
+    pids = []
+    for keys in plan:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                os.close(write_end)
+                _worker(url, keys, effects, results, read_end)
+                code = 0
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    os.close(read_end)
+    os.close(write_end)
+    failures = [pid for pid in pids if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+    assert not failures, f"{len(failures)} worker(s) failed; see stderr"
+
+
+def _check(effects: Path, results: Path, keys: list[str], callers_per_key: int) -> None:
+    ran = Counter(effects.read_text().split())
+    assert {key: ran[key] for key in keys} == dict.fromkeys(keys, 1)
+    returned: dict[str, set[str]] = {}
+    calls = Counter()
+    for line in results.read_text().splitlines():
+        key, value = line.split(" ", 1)
+        returned.setdefault(key, set()).add(value)
+        calls[key] += 1
+    assert all(len(values) == 1 for values in returned.values()), "a caller saw another receipt"
+    assert calls == dict.fromkeys(keys, callers_per_key)
+
+
+@pytest.fixture(params=DURABLE_BACKENDS)
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.mark.slow
+def test_processes_racing_on_one_key_run_it_once(backend_url: str, tmp_path: Path) -> None:
+    for round_ in range(ROUNDS):
+        effects, results = tmp_path / f"effects-{round_}", tmp_path / f"results-{round_}"
+        key = f"one-key-{round_}"
+        _race(backend_url, [[key]] * PROCESSES, effects, results)
+        _check(effects, results, [key], PROCESSES)
+
+
+@pytest.mark.slow
+def test_processes_racing_on_distinct_keys_run_each_once(backend_url: str, tmp_path: Path) -> None:
+    rng = random.Random(7)
+    for round_ in range(ROUNDS):
+        effects, results = tmp_path / f"effects-{round_}", tmp_path / f"results-{round_}"
+        keys = [f"round-{round_}-key-{i}" for i in range(PROCESSES)]
+        plan = [rng.sample(keys, len(keys)) for _ in range(PROCESSES)]
+        _race(backend_url, plan, effects, results)
+        _check(effects, results, keys, PROCESSES)
