@@ -46,3 +46,18 @@ __all__ = [
     "fingerprint",
     "validate_key",
 ]
+
+# The crewai integration. It imports crewai only once crewai itself is imported.
+from .integration import (
+    IdempotencyConfig,
+    KeyContext,
+    configure,
+    idempotent,
+    install,
+    uninstall,
+)
+from .integration import activate as _activate
+
+__all__ += ["IdempotencyConfig", "KeyContext", "configure", "idempotent", "install", "uninstall"]
+
+_activate()

@@ -50,7 +50,7 @@ class CacheBackend(ABC):
     def delete(self, current: Record) -> bool:
         """Remove the record if it is still `current`."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional for stores that hold nothing open
         """Release connections and file handles. The backend may not be used afterwards."""
 
     def __enter__(self) -> CacheBackend:

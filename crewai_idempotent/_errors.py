@@ -70,7 +70,7 @@ class ResolutionRefused(IdempotencyError):
     """Only an uncertain record, or a pending one whose lease expired, can be resolved."""
 
 
-class OutcomeUnknown(Exception):  # noqa: N818 - a signal raised by tool bodies, not a failure
+class OutcomeUnknown(Exception):
     """Raised by a tool body to say "the effect may have happened" (e.g. a provider timeout).
 
     The record becomes UNCERTAIN rather than FAILED, so nothing re-runs it blindly.

@@ -9,6 +9,7 @@ the number of records. Not for network filesystems: `flock` and `link` are local
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -190,10 +191,5 @@ class FileLockCacheBackend(CacheBackend):
 
 
 def _unlink(path: Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-__all__ = ["FileLockCacheBackend"]

@@ -63,7 +63,7 @@ class _Options:
 
 
 class _Call:
-    __slots__ = ("fn", "args")
+    __slots__ = ("args", "fn")
 
     def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
         self.fn, self.args = fn, args
@@ -77,7 +77,7 @@ class _Sleep:
 
 
 class _Ask:
-    __slots__ = ("reconcile", "key", "args")
+    __slots__ = ("args", "key", "reconcile")
 
     def __init__(self, reconcile: Reconciler, key: str, args: Any) -> None:
         self.reconcile, self.key, self.args = reconcile, key, args
@@ -89,7 +89,7 @@ Step = Generator[_Call | _Sleep | _Ask, Any, T]
 class _Claim:
     """A claim this process holds; the lease keeper renews it until `done`."""
 
-    __slots__ = ("record", "lease_s", "ttl", "lock", "done", "lost", "due")
+    __slots__ = ("done", "due", "lease_s", "lock", "lost", "record", "ttl")
 
     def __init__(self, record: Record, options: _Options) -> None:
         self.record = record
@@ -175,7 +175,10 @@ class Ledger:
             except BaseException as exc:
                 self._settle_failure(claim, exc)
                 raise
-            return self._drive(self._finish(claim, Status.COMMITTED, value=value))
+            try:
+                return self._drive(self._finish(claim, Status.COMMITTED, value=value))
+            except LedgerUnavailable:
+                return self._unrecorded(claim, value)
         finally:
             self._keeper.remove(claim)
 
@@ -219,7 +222,10 @@ class Ledger:
                 await _unstoppable(loop, self._settle_failure, claim, exc)
                 raise
             finish = self._finish(claim, Status.COMMITTED, value=value)
-            return await _unstoppable(loop, self._drive, finish)
+            try:
+                return await _unstoppable(loop, self._drive, finish)
+            except LedgerUnavailable:
+                return self._unrecorded(claim, value)
         finally:
             self._keeper.remove(claim)
 
@@ -290,7 +296,9 @@ class Ledger:
         _check_durations(wait_s=wait_s, lease_s=lease_s, ttl=ttl)
         policy = on_stale or self.on_stale or ("reconcile" if reconcile else "uncertain")
         if policy not in ("uncertain", "reconcile", "retry"):
-            raise ValueError(f"on_stale must be 'uncertain', 'reconcile' or 'retry', not {policy!r}")
+            raise ValueError(
+                f"on_stale must be 'uncertain', 'reconcile' or 'retry', not {policy!r}"
+            )
         if policy == "reconcile" and reconcile is None:
             raise ValueError("on_stale='reconcile' needs a reconcile= callable")
         if not isinstance(fingerprint, str):
@@ -349,7 +357,9 @@ class Ledger:
                 self._check_fingerprint(held, o)
                 lapse = f"lease expired {now - (held.lease_expires_at or now):.1f} s ago"
                 if o.on_stale == "retry":
-                    claim = yield from self._take_over(held, o, "takeover", f"{lapse}; on_stale=retry")
+                    claim = yield from self._take_over(
+                        held, o, "takeover", f"{lapse}; on_stale=retry"
+                    )
                 elif o.on_stale == "reconcile":
                     answer = yield from self._reconcile(held, o, lapse)
                     if answer is not None:
@@ -357,8 +367,9 @@ class Ledger:
                     claim = None
                 else:
                     yield from self._mark_uncertain(
-                        held, f"its owner {_label(held)} stopped renewing its lease ({lapse}) "
-                        "before committing: the effect may or may not have happened"
+                        held,
+                        f"its owner {_label(held)} stopped renewing its lease ({lapse}) "
+                        "before committing: the effect may or may not have happened",
                     )
                     claim = None
             else:  # UNCERTAIN
@@ -438,11 +449,23 @@ class Ledger:
         yield from self._mark_uncertain(held, f"{why}; {verdict.reason}")
         return None
 
+    def _unrecorded(self, claim: _Claim, value: Any) -> Outcome[Any]:
+        # The effect happened and its receipt is in hand, so the caller gets it. The record
+        # stays PENDING; once its lease lapses the next attempt sees an unknown outcome and
+        # reconciles or stops, which is the truth: the ledger cannot prove this commit.
+        log.error(
+            "the body of %r ran but its commit could not be stored; the record stays PENDING "
+            "and becomes uncertain when its lease lapses",
+            claim.record.key,
+            exc_info=True,
+        )
+        return Outcome(value, False, claim.record)
+
     def _settle_failure(self, claim: _Claim, exc: BaseException) -> None:
         status, reason = _classify(exc)
         try:
             self._drive(self._finish(claim, status, reason=reason))
-        except Exception:  # noqa: BLE001 - the body's own exception is what the caller needs
+        except Exception:
             log.exception("could not record %s for %r", status, claim.record.key)
 
     def _finish(
@@ -475,7 +498,9 @@ class Ledger:
                 # lapses, and the next attempt treats it as uncertain (never a blind re-run).
                 if time.monotonic() + delay > deadline:
                     raise
-                log.warning("ledger unavailable while recording %s for %r; retrying", kind, current.key)
+                log.warning(
+                    "ledger unavailable while recording %s for %r; retrying", kind, current.key
+                )
                 yield _Sleep(delay)
                 delay = min(delay * 2, 1.0)
         if stored:
@@ -484,7 +509,12 @@ class Ledger:
         if status is Status.FAILED:
             log.warning("claim on %r was taken over while its body failed", current.key)
             return Outcome(None, False, new)
-        yield from self._fenced(current, kind, payload, reason)
+        try:
+            yield from self._fenced(current, kind, payload, reason)
+        except LedgerUnavailable as exc:
+            raise OutcomeUncertain(
+                current.key, None, f"the claim was taken over and the ledger is unavailable: {exc}"
+            ) from exc
         raise AssertionError("unreachable")  # _fenced always raises
 
     def _fenced(self, mine: Record, kind: str, payload: Any, reason: str | None) -> Step[None]:
@@ -508,7 +538,7 @@ class Ledger:
                 new = mine.evolve(
                     Event(now, "fenced", mine.token, _label(mine), note),
                     status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
-                    error=note, needs_operator=True, evidence=mine.evidence + (evidence,),
+                    error=note, needs_operator=True, evidence=(*mine.evidence, evidence),
                 )  # fmt: skip
                 if (yield _Call(self.backend.insert, new)) is None:
                     break
@@ -516,7 +546,7 @@ class Ledger:
             new = held.evolve(
                 Event(now, "fenced", held.token, _label(mine), note),
                 status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
-                error=note, needs_operator=True, evidence=held.evidence + (evidence,),
+                error=note, needs_operator=True, evidence=(*held.evidence, evidence),
             )  # fmt: skip
             if (yield _Call(self.backend.replace, held, new)):
                 break
@@ -591,13 +621,15 @@ class Ledger:
             return
         acquired = pending.result()
         if isinstance(acquired, _Claim):
-            self._settle_failure(acquired, asyncio.CancelledError("cancelled before the body started"))
+            self._settle_failure(
+                acquired, asyncio.CancelledError("cancelled before the body started")
+            )
 
     def _emit(self, kind: str, record: Record) -> None:
         for listener in self._listeners:
             try:
                 listener(kind, record)
-            except Exception:  # noqa: BLE001 - observers never change what the guard does
+            except Exception:
                 log.exception("idempotency listener %r failed on %s", listener, kind)
 
 
@@ -658,7 +690,7 @@ class _LeaseKeeper:
                 now = self._backend.now()
                 new = current.evolve(None, lease_expires_at=now + claim.lease_s, updated_at=now)
                 stored = self._backend.replace(current, new)
-            except Exception:  # noqa: BLE001 - try again soon; the lease has slack for this
+            except Exception:
                 log.warning("could not renew the lease on %r", current.key, exc_info=True)
                 claim.due = time.monotonic() + min(1.0, claim.lease_s / 10)
                 return

@@ -48,10 +48,14 @@ def private_file(path: Path, allow_insecure: bool) -> Path:
         )
     private_folder(path.parent, allow_insecure)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600
+        )
     except FileExistsError:
         if not path.is_file():
-            raise LedgerUnavailable(f"ledger path {path} exists and is not a regular file") from None
+            raise LedgerUnavailable(
+                f"ledger path {path} exists and is not a regular file"
+            ) from None
     except OSError as exc:
         raise LedgerUnavailable(f"cannot create ledger file {path}: {exc}") from exc
     else:

@@ -12,14 +12,11 @@ from typing import Any
 import pydantic_core
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     PENDING = "PENDING"  # claimed; the body is running (or its owner died)
     COMMITTED = "COMMITTED"  # done; `result` holds the receipt to replay
     FAILED = "FAILED"  # the body raised before any effect; the next attempt may run
     UNCERTAIN = "UNCERTAIN"  # the effect may or may not have happened; resolve first
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +96,7 @@ class Record:
         """A copy with `changes` applied, the next revision, and `event` appended."""
         changes.setdefault("revision", self.revision + 1)
         if event is not None:
-            history = self.history + (event,)
+            history = (*self.history, event)
             if len(history) > HISTORY_LIMIT:
                 history = history[:1] + history[-(HISTORY_LIMIT - 1) :]
             changes["history"] = history

@@ -29,7 +29,7 @@ def encode(value: Any) -> dict[str, Any]:
                 "cls": f"{cls.__module__}:{cls.__qualname__}",
                 "v": model_dump(mode="json"),
             }
-    except Exception:  # noqa: BLE001 - any failure falls through to str(); never wedge PENDING
+    except Exception:
         log.debug("result of type %s stored as str()", type(value).__name__, exc_info=True)
     try:
         text = str(value)

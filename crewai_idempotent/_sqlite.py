@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sqlite3
@@ -163,19 +164,20 @@ class SQLiteCacheBackend(CacheBackend):
     def _explain(self, exc: BaseException) -> str:
         text = str(exc)
         low = text.lower()
-        if "readonly" in low or "read-only" in low:
+        code = getattr(exc, "sqlite_errorname", "") or ""
+        if "readonly" in low or "read-only" in low or code.startswith("SQLITE_READONLY"):
             why = "the ledger file or its folder is read-only"
         elif "locked" in low or "busy" in low:
             why = f"the database stayed locked past the busy timeout ({self.busy_timeout_s} s)"
-        elif "full" in low or "too big" in low or "too large" in low:
-            why = "the disk is full or a file size limit was reached"
-        elif "not a database" in low or "malformed" in low or "corrupt" in low:
+        elif "full" in low or code.startswith(("SQLITE_FULL", "SQLITE_IOERR")):
+            why = _write_failure()
+        elif "not a database" in low or "malformed" in low or code.startswith("SQLITE_CORRUPT"):
             why = "the ledger file is corrupt"
-        elif "unable to open" in low or "permission" in low:
+        elif "unable to open" in low or "permission" in low or code.startswith("SQLITE_CANTOPEN"):
             why = "the ledger file cannot be opened (permissions or missing folder)"
         else:
             why = "the ledger could not be written"
-        return f"{why}: {self.path}: {type(exc).__name__}: {text}"
+        return f"{why}: {self.path}: {type(exc).__name__} {code}: {text}".replace("  ", " ")
 
     # -- protocol ----------------------------------------------------------------------
 
@@ -238,15 +240,27 @@ class SQLiteCacheBackend(CacheBackend):
         try:
             return Record.from_json(doc)
         except (ValueError, KeyError, TypeError) as exc:
-            raise LedgerUnavailable(f"the ledger file is corrupt: {self.path}: bad record {exc!r}") from exc
+            raise LedgerUnavailable(
+                f"the ledger file is corrupt: {self.path}: bad record {exc!r}"
+            ) from exc
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
             connections, self._connections = self._connections, []
         for conn in connections:
-            try:
+            with contextlib.suppress(sqlite3.Error):
                 conn.close()
-            except sqlite3.Error:
-                pass
         self._local = threading.local()
+
+
+def _write_failure() -> str:
+    # SQLite reports EFBIG and ENOSPC alike as an I/O error; name the limit when one is set.
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return "a write failed: the disk is full or failing"
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        return f"a write failed: a file size limit (RLIMIT_FSIZE={soft} bytes) or a full disk"
+    return "a write failed: the disk is full or failing"

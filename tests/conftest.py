@@ -12,20 +12,21 @@ os.environ.setdefault("CREWAI_TRACING_ENABLED", "false")
 os.environ.setdefault("CREWAI_TESTING", "true")
 os.environ.setdefault("OPENAI_API_KEY", "sk-fake-not-used")
 
-from collections.abc import Callable, Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
-from crewai_idempotent import (  # noqa: E402
+from crewai_idempotent import (
     CacheBackend,
     FileLockCacheBackend,
     InMemoryCacheBackend,
     SQLiteCacheBackend,
 )
+from tests.servers import postgres_factory, postgres_server, redis_factory, redis_server  # noqa: F401
 
 # Backends that persist across processes; the in-memory one joins only in-process tests.
-DURABLE_BACKENDS = ["sqlite", "sqlite-normal", "filelock"]
+DURABLE_BACKENDS = ["sqlite", "sqlite-normal", "filelock", "postgres", "redis"]
 ALL_BACKENDS = ["memory", *DURABLE_BACKENDS]
 
 
@@ -66,6 +67,7 @@ def backend_factory(
 
 # Later backends (PostgreSQL, Redis) register here: kind -> (tmp_path, request) -> factory.
 EXTRA_FACTORIES: dict[str, Callable[[Path, pytest.FixtureRequest], Callable[[], CacheBackend]]] = {}
+EXTRA_FACTORIES.update(postgres=postgres_factory, redis=redis_factory)
 
 
 @pytest.fixture(params=ALL_BACKENDS)

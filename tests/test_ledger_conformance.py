@@ -296,7 +296,9 @@ def test_uncertain_record_is_reconciled_when_a_reconciler_is_given(
 # -- stale claims (the owner died) -----------------------------------------------------------
 
 
-def test_stale_claim_becomes_uncertain_by_default(backend: CacheBackend, provider: Provider) -> None:
+def test_stale_claim_becomes_uncertain_by_default(
+    backend: CacheBackend, provider: Provider
+) -> None:
     _stale_pending(backend, "orphan")
     with pytest.raises(OutcomeUncertain, match="stopped renewing"):
         Ledger(backend).run("orphan", provider.body("orphan"))
@@ -305,7 +307,9 @@ def test_stale_claim_becomes_uncertain_by_default(backend: CacheBackend, provide
     assert provider.count("orphan") == 0
 
 
-def test_stale_claim_is_rerun_with_on_stale_retry(backend: CacheBackend, provider: Provider) -> None:
+def test_stale_claim_is_rerun_with_on_stale_retry(
+    backend: CacheBackend, provider: Provider
+) -> None:
     _stale_pending(backend, "orphan2")
     assert Ledger(backend).run("orphan2", provider.body("orphan2"), on_stale="retry")
     record = backend.get("orphan2")
@@ -493,7 +497,18 @@ def test_resolve_refuses_settled_or_live_records(backend: CacheBackend, provider
 @pytest.mark.parametrize(
     "key",
     ["", "   ", "\t", "a" * 513, "é" * 257, "line\nbreak", "nul\x00", "del\x7f", "esc\x1b[0m", 42],
-    ids=["empty", "blank", "tab", "513-bytes", "514-utf8-bytes", "newline", "nul", "del", "esc", "int"],
+    ids=[
+        "empty",
+        "blank",
+        "tab",
+        "513-bytes",
+        "514-utf8-bytes",
+        "newline",
+        "nul",
+        "del",
+        "esc",
+        "int",
+    ],
 )
 def test_invalid_keys_are_refused_and_nothing_runs(
     ledger: Ledger, provider: Provider, key: Any
@@ -604,11 +619,15 @@ def test_records_survive_reopening_in_a_new_process(
         ledger.close()
         """
     )
-    first = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    first = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=60
+    )
     assert first.returncode == 0, first.stderr
     ledger = Ledger(open_backend())
     assert ledger.execute("persist", lambda: "again", fingerprint="fp").value == {"charge": "ch_1"}
-    second = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    second = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=60
+    )
     assert second.returncode == 0, second.stderr
     assert effects.read_text() == "charged\n"
 
