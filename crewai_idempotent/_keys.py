@@ -9,6 +9,7 @@ import decimal
 import enum
 import hashlib
 import math
+import re
 import uuid
 from collections.abc import Mapping
 from pathlib import PurePath
@@ -19,6 +20,7 @@ import rfc8785
 from ._errors import InvalidIdempotencyKey
 
 MAX_KEY_BYTES = 512
+_FORBIDDEN = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 
 
 def validate_key(key: object) -> str:
@@ -32,15 +34,13 @@ def validate_key(key: object) -> str:
         raise InvalidIdempotencyKey(
             f"idempotency key is {size} UTF-8 bytes; the limit is {MAX_KEY_BYTES}: {key[:40]!r}..."
         )
-    for i, ch in enumerate(key):
-        if ch < "\x20" or ch == "\x7f":
-            raise InvalidIdempotencyKey(
-                f"idempotency key contains control character U+{ord(ch):04X} at index {i}: {key!r}"
-            )
-        if "\ud800" <= ch <= "\udfff":
-            raise InvalidIdempotencyKey(
-                f"idempotency key contains a lone surrogate U+{ord(ch):04X} at index {i}"
-            )
+    bad = _FORBIDDEN.search(key)
+    if bad is not None:
+        ch, i = bad.group(), bad.start()
+        what = "a lone surrogate" if ch >= "\ud800" else "control character"
+        raise InvalidIdempotencyKey(
+            f"idempotency key contains {what} U+{ord(ch):04X} at index {i}: {key!r}"
+        )
     return key
 
 

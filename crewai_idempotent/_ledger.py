@@ -11,6 +11,7 @@ import asyncio
 import getpass
 import inspect
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator
@@ -290,10 +291,13 @@ class Ledger:
         reconcile: Reconciler | None,
         on_stale: StalePolicy | None,
     ) -> _Options:
-        wait_s = self.wait_s if wait_s is None else wait_s
-        lease_s = self.lease_s if lease_s is None else lease_s
-        ttl = self.ttl if ttl is _MISSING else ttl
-        _check_durations(wait_s=wait_s, lease_s=lease_s, ttl=ttl)
+        if wait_s is None and lease_s is None and ttl is _MISSING:
+            wait_s, lease_s, ttl = self.wait_s, self.lease_s, self.ttl  # checked in __init__
+        else:
+            wait_s = self.wait_s if wait_s is None else wait_s
+            lease_s = self.lease_s if lease_s is None else lease_s
+            ttl = self.ttl if ttl is _MISSING else ttl
+            _check_durations(wait_s=wait_s, lease_s=lease_s, ttl=ttl)
         policy = on_stale or self.on_stale or ("reconcile" if reconcile else "uncertain")
         if policy not in ("uncertain", "reconcile", "retry"):
             raise ValueError(
@@ -415,7 +419,7 @@ class Ledger:
     def _mark_uncertain(self, held: Record, reason: str) -> Step[None]:
         now = self.backend.now()
         new = held.evolve(
-            Event(now, "uncertain", held.token, _whoami(), reason),
+            Event(now, "uncertain", held.token, _this_process(), reason),
             status=Status.UNCERTAIN,
             updated_at=now,
             lease_expires_at=None,
@@ -431,7 +435,7 @@ class Ledger:
         now = self.backend.now()
         if isinstance(verdict, Found):
             new = held.evolve(
-                Event(now, "reconcile", held.token, _whoami(), f"{why}; reconciler found it"),
+                Event(now, "reconcile", held.token, _this_process(), f"{why}; reconciler found it"),
                 status=Status.COMMITTED,
                 updated_at=now,
                 lease_expires_at=None,
@@ -510,15 +514,22 @@ class Ledger:
             log.warning("claim on %r was taken over while its body failed", current.key)
             return Outcome(None, False, new)
         try:
-            yield from self._fenced(current, kind, payload, reason)
+            settled = yield from self._fenced(current, kind, payload, reason)
         except LedgerUnavailable as exc:
             raise OutcomeUncertain(
                 current.key, None, f"the claim was taken over and the ledger is unavailable: {exc}"
             ) from exc
-        raise AssertionError("unreachable")  # _fenced always raises
+        return Outcome(value, False, settled)
 
-    def _fenced(self, mine: Record, kind: str, payload: Any, reason: str | None) -> Step[None]:
-        """Our claim was taken over, yet our body finished: two executions may have happened."""
+    def _fenced(self, mine: Record, kind: str, payload: Any, reason: str | None) -> Step[Record]:
+        """Our commit was refused: someone else wrote the record while our body ran.
+
+        If the token is still ours, nobody took the claim over: a reconciler or an operator
+        committed it from this very execution while we were slow. One execution happened;
+        the record stays COMMITTED (a differing receipt of ours is kept as evidence) and the
+        settled record is returned. Otherwise two executions may have happened: the record
+        becomes UNCERTAIN with needs_operator, and OutcomeUncertain is raised.
+        """
         note = (
             f"worker {_label(mine)} (token {mine.token}) finished ({kind}) after its claim was "
             "taken over: two executions may have happened"
@@ -534,6 +545,11 @@ class Ledger:
         while True:
             held = yield _Call(self.backend.get, mine.key)
             now = self.backend.now()
+            if held is not None and held.token == mine.token and not held.needs_operator:
+                settled = yield from self._late(held, mine, kind, payload, reason, evidence, now)
+                if settled is not None:
+                    return settled
+                continue
             if held is None:
                 new = mine.evolve(
                     Event(now, "fenced", mine.token, _label(mine), note),
@@ -552,6 +568,49 @@ class Ledger:
                 break
         self._emit("uncertain", new)
         raise OutcomeUncertain(mine.key, new, note)
+
+    def _late(
+        self,
+        held: Record,
+        mine: Record,
+        kind: str,
+        payload: Any,
+        reason: str | None,
+        evidence: dict[str, Any],
+        now: float,
+    ) -> Step[Record | None]:
+        """The token is still ours: one execution happened, and this owner knows its outcome.
+
+        Someone settled the record while this execution was slow (a reconciler found it, an
+        operator resolved it, a retry marked the lapsed claim uncertain). What the owner
+        saw is the best evidence there is, so it wins unless it disagrees with a receipt.
+        """
+        if held.status is Status.COMMITTED:
+            if kind != "commit" or held.result == payload:
+                return held
+            late = "late commit of the same execution with a different receipt (evidence)"
+            new = held.evolve(
+                Event(now, "late", held.token, _label(mine), late),
+                evidence=(*held.evidence, evidence),
+            )
+        elif kind == "commit":
+            note = f"late commit: the owner finished after the record became {held.status}"
+            new = held.evolve(
+                Event(now, "commit", held.token, _label(mine), note),
+                status=Status.COMMITTED, result=payload, error=None, updated_at=now,
+                lease_expires_at=None, evidence=(*held.evidence, evidence),
+            )  # fmt: skip
+        elif held.status is Status.UNCERTAIN:
+            return held
+        else:
+            new = held.evolve(
+                Event(now, "uncertain", held.token, _label(mine), reason or ""),
+                status=Status.UNCERTAIN, error=reason, updated_at=now, lease_expires_at=None,
+            )  # fmt: skip
+        if (yield _Call(self.backend.replace, held, new)):
+            self._emit("commit" if new.status is Status.COMMITTED else "uncertain", new)
+            return new
+        return None
 
     def _resolve(self, key: str, result: Any, absent: bool, by: str, reason: str) -> Step[Record]:
         while True:
@@ -621,9 +680,13 @@ class Ledger:
             return
         acquired = pending.result()
         if isinstance(acquired, _Claim):
-            self._settle_failure(
-                acquired, asyncio.CancelledError("cancelled before the body started")
-            )
+            # The body never started, so nothing can have happened: FAILED lets the next
+            # attempt run (a CancelledError from inside a body would make it UNCERTAIN).
+            unstarted = "cancelled before the body started"
+            try:
+                self._drive(self._finish(acquired, Status.FAILED, reason=unstarted))
+            except Exception:  # the caller is gone; the lease lapses and the next one decides
+                log.exception("could not release the unstarted claim on %r", acquired.record.key)
 
     def _emit(self, kind: str, record: Record) -> None:
         for listener in self._listeners:
@@ -737,7 +800,7 @@ async def _unstoppable(loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *a
 def _classify(exc: BaseException) -> tuple[Status, str]:
     if isinstance(exc, OutcomeUnknown):
         return Status.UNCERTAIN, f"the tool reported an unknown outcome: {exc}"
-    if isinstance(exc, TimeoutError | asyncio.CancelledError):
+    if isinstance(exc, TimeoutError | asyncio.CancelledError) or _looks_like_timeout(exc):
         return Status.UNCERTAIN, (
             f"the body was interrupted ({type(exc).__name__}: {exc}); a timeout or "
             "cancellation does not prove the effect did not happen"
@@ -745,6 +808,13 @@ def _classify(exc: BaseException) -> tuple[Status, str]:
     if not isinstance(exc, Exception):
         return Status.UNCERTAIN, f"the body was interrupted by {type(exc).__name__}"
     return Status.FAILED, f"{type(exc).__name__}: {exc}"
+
+
+def _looks_like_timeout(exc: BaseException) -> bool:
+    # HTTP clients' timeouts (requests' ReadTimeout, httpx's TimeoutException, urllib3's
+    # ReadTimeoutError) do not subclass TimeoutError; a request that timed out may still
+    # have been carried out, so treat them as unknown rather than as a safe failure.
+    return any("timeout" in cls.__name__.lower() for cls in type(exc).__mro__)
 
 
 def _label(record: Record) -> str:
@@ -757,6 +827,11 @@ def _whoami() -> str:
     except Exception:  # noqa: BLE001 - no passwd entry in some containers
         user = "unknown"
     return f"{user}@{_HOST}"
+
+
+def _this_process() -> str:
+    """Who wrote an automatic transition (a stale claim marked uncertain, a reconciliation)."""
+    return f"{_whoami()}:{os.getpid()}"
 
 
 def _check_durations(**values: float | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import os
 import secrets
 import socket
@@ -33,10 +34,22 @@ class Owner:
 
     @classmethod
     def current(cls) -> Owner:
-        return cls(_HOST, os.getpid(), secrets.token_hex(6))
+        # A random prefix per process plus a counter: unique per claim, without a syscall.
+        return cls(_HOST, os.getpid(), f"{_nonce}{next(_claims):x}")
 
 
 _HOST = socket.gethostname()
+_nonce = secrets.token_hex(4)
+_claims = itertools.count(1)
+
+
+def _reseed() -> None:
+    global _nonce, _claims
+    _nonce, _claims = secrets.token_hex(4), itertools.count(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reseed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -647,3 +647,43 @@ def test_closing_and_reopening_keeps_every_state(
     states = {r.key: r.status for r in again.records()}
     assert states == {"c": Status.COMMITTED, "f": Status.FAILED, "u": Status.UNCERTAIN}
     assert [r.key for r in again.records(Status.UNCERTAIN)] == ["u"]
+
+
+def test_owner_that_outlived_its_lease_settles_an_uncertain_record(backend: CacheBackend) -> None:
+    """Nobody took the claim over, so only one execution happened: the owner's receipt wins."""
+    effects: list[str] = []
+    paused = Ledger(backend, lease_s=0.3)
+    paused._keeper._renew = lambda claim: None  # type: ignore[method-assign]  # owner "frozen"
+    inside, release = threading.Event(), threading.Event()
+    returned: list[Any] = []
+
+    def slow_body() -> str:
+        inside.set()
+        release.wait(5)
+        effects.append("charged")
+        return "the-receipt"
+
+    worker = threading.Thread(target=lambda: returned.append(paused.run("late", slow_body)))
+    worker.start()
+    assert inside.wait(5)
+    time.sleep(0.4)
+    with pytest.raises(OutcomeUncertain):
+        Ledger(backend).run("late", lambda: effects.append("again") or "x")
+    release.set()
+    worker.join(5)
+    assert returned == ["the-receipt"]
+    record = backend.get("late")
+    assert record is not None
+    assert (record.status, record.token, record.needs_operator) == (Status.COMMITTED, 1, False)
+    assert record.history[-1].note.startswith("late commit")
+    assert Ledger(backend).run("late", lambda: effects.append("again") or "x") == "the-receipt"
+    assert effects == ["charged"]
+
+
+def test_http_client_timeouts_count_as_unknown_outcomes(ledger: Ledger) -> None:
+    class ReadTimeout(OSError):  # the shape of requests' and httpx's timeouts
+        pass
+
+    with pytest.raises(ReadTimeout):
+        ledger.run("http", lambda: (_ for _ in ()).throw(ReadTimeout("read timed out")))
+    assert ledger.get("http").status is Status.UNCERTAIN  # type: ignore[union-attr]

@@ -1,0 +1,230 @@
+"""A worker process that runs one guarded charge and can stop at a named point to be killed.
+
+    python -m tests.faults.worker --ledger sqlite:///tmp/x/ledger.db --provider /tmp/x/fx \
+        --key order-1 --pause-at after_effect --marker /tmp/x/order-1.at
+
+The points, in the order a run reaches them:
+
+* ``after_claim``: the claim has landed; the body has not started (a "claim" listener);
+* ``before_effect``: inside the body, before the provider is charged;
+* ``after_effect``: the provider was charged; the commit has not been written;
+* ``after_commit``: the commit has landed; `execute` has not returned (a "commit" listener).
+
+At ``--pause-at`` the worker writes ``--marker`` (atomically) and blocks: forever, or until
+the ``--release`` file exists. Ledger listeners run synchronously in the worker's thread, so
+blocking in one stops the worker exactly between two ledger steps; the lease keeper thread
+keeps running, as it would in a real slow worker. ``--signal-at`` writes the marker and
+carries on. The outcome is written as JSON to ``--report`` (and printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from crewai_idempotent import (
+    Absent,
+    Found,
+    IdempotencyError,
+    Ledger,
+    OutcomeUncertain,
+    Record,
+    Unknown,
+    backend_from_url,
+    fingerprint,
+)
+from tests.faults.provider import Provider
+
+POINTS = ("after_claim", "before_effect", "after_effect", "after_commit")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything one worker run needs; also its command line (`argv`)."""
+
+    ledger: str
+    provider: str
+    key: str
+    report: str | None = None
+    marker: str | None = None
+    pause_at: str | None = None
+    release: str | None = None
+    signal_at: str | None = None
+    reconcile: bool = False
+    on_stale: str | None = None
+    lease_s: float = 0.5
+    wait_s: float = 30.0
+    work_s: float = 0.0
+    amount: int = 100
+
+    def argv(self) -> list[str]:
+        args: list[str] = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            flag = "--" + field.name.replace("_", "-")
+            if isinstance(value, bool):
+                if value:
+                    args.append(flag)
+            elif value is not None:
+                args += [flag, str(value)]
+        return args
+
+    @property
+    def args(self) -> dict[str, Any]:
+        """The tool's arguments: what the fingerprint covers and the reconciler receives."""
+        return {"order": self.key, "amount": self.amount}
+
+
+def reconciler(provider: Provider, calls: list[str]) -> Any:
+    """Ask the provider whether the charge for `key` happened (what a real tool would do
+    with the idempotency key it passed to the provider)."""
+
+    def reconcile(key: str, args: Any) -> Found | Absent | Unknown:
+        receipts = provider.receipts(key)
+        verdict: Found | Absent | Unknown
+        if not receipts:
+            verdict = Absent()
+        elif len(receipts) == 1:
+            verdict = Found(receipts[0])
+        else:
+            verdict = Unknown(f"the provider shows {len(receipts)} charges for {key!r}")
+        calls.append(type(verdict).__name__)
+        return verdict
+
+    return reconcile
+
+
+def run(spec: Spec) -> dict[str, Any]:
+    """Run the guarded charge once and return what happened (also written to spec.report)."""
+    for point in (spec.pause_at, spec.signal_at):
+        if point is not None and point not in POINTS:
+            raise ValueError(f"unknown point {point!r}; known: {', '.join(POINTS)}")
+    provider = Provider(spec.provider)
+    ledger = Ledger(backend_from_url(spec.ledger), lease_s=spec.lease_s, wait_s=spec.wait_s)
+    calls: list[str] = []
+    me = os.getpid()
+
+    def reach(point: str) -> None:
+        if point == spec.signal_at:
+            _mark(spec, point)
+        if point == spec.pause_at:
+            _mark(spec, point)
+            _hold(spec.release)
+
+    def listener(kind: str, record: Record) -> None:
+        if record.key != spec.key or record.owner is None or record.owner.pid != me:
+            return
+        if kind == "claim":
+            reach("after_claim")
+        elif kind == "commit":
+            reach("after_commit")
+
+    def charge() -> str:
+        reach("before_effect")
+        if spec.work_s:
+            time.sleep(spec.work_s)
+        receipt = provider.charge(spec.key)
+        reach("after_effect")
+        return receipt
+
+    ledger.add_listener(listener)
+    report: dict[str, Any] = {"key": spec.key, "pid": me, "started": time.time()}
+    try:
+        outcome = ledger.execute(
+            spec.key,
+            charge,
+            fingerprint=fingerprint(spec.args),
+            args=spec.args,
+            reconcile=reconciler(provider, calls) if spec.reconcile else None,
+            on_stale=spec.on_stale,  # type: ignore[arg-type]
+        )
+    except IdempotencyError as exc:
+        record = getattr(exc, "record", None)
+        report.update(
+            outcome="error",
+            error_type=type(exc).__name__,
+            error=str(exc),
+            record=json.loads(record.to_json()) if record is not None else None,
+            needs_operator=isinstance(exc, OutcomeUncertain)
+            and record is not None
+            and record.needs_operator,
+        )
+    else:
+        report.update(
+            outcome="replayed" if outcome.replayed else "ran",
+            value=outcome.value,
+            record=json.loads(outcome.record.to_json()),
+        )
+    finally:
+        ledger.close()
+    report.update(reconcile_calls=calls, finished=time.time())
+    if spec.report:
+        _write_atomically(Path(spec.report), json.dumps(report))
+    return report
+
+
+def _mark(spec: Spec, point: str) -> None:
+    if spec.marker:
+        note = json.dumps({"pid": os.getpid(), "point": point, "at": time.time()})
+        _write_atomically(Path(spec.marker), note)
+
+
+def _hold(release: str | None) -> None:
+    if release is None:
+        threading.Event().wait()  # until SIGKILL
+        return
+    while not os.path.exists(release):
+        time.sleep(0.005)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp.write_text(text, "utf-8")
+    os.replace(temp, path)
+
+
+def child(spec: Spec, log: str | None = None) -> None:
+    """Entry point for a worker started by a fork server: its own log, then `run`."""
+    if log:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    run(spec)
+
+
+def _parse(argv: list[str] | None) -> Spec:
+    parser = argparse.ArgumentParser(prog="python -m tests.faults.worker", description=__doc__)
+    parser.add_argument("--ledger", required=True, help="ledger URL (sqlite:///…, file:///…)")
+    parser.add_argument("--provider", required=True, help="the fake provider's effect file")
+    parser.add_argument("--key", required=True)
+    parser.add_argument("--report")
+    parser.add_argument("--marker")
+    parser.add_argument("--pause-at", choices=POINTS)
+    parser.add_argument("--release", help="with --pause-at: continue once this file exists")
+    parser.add_argument("--signal-at", choices=POINTS)
+    parser.add_argument("--reconcile", action="store_true")
+    parser.add_argument("--on-stale", choices=("uncertain", "reconcile", "retry"))
+    parser.add_argument("--lease-s", type=float, default=0.5)
+    parser.add_argument("--wait-s", type=float, default=30.0)
+    parser.add_argument("--work-s", type=float, default=0.0)
+    parser.add_argument("--amount", type=int, default=100)
+    return Spec(**vars(parser.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    report = run(_parse(argv))
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

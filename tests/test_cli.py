@@ -1,0 +1,488 @@
+"""The `crewai-idempotent` command line: listing, showing, resolving, purging, the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from crewai_idempotent import (
+    Event,
+    Ledger,
+    OutcomeUnknown,
+    Owner,
+    Record,
+    SQLiteCacheBackend,
+    Status,
+)
+from crewai_idempotent.cli import main
+
+WIDE = {"COLUMNS": "250"}  # rich wraps tables at 80 columns when not on a terminal
+
+
+@pytest.fixture
+def ledger_path(tmp_path: Path) -> Path:
+    return tmp_path / "ledger.db"
+
+
+@pytest.fixture
+def url(ledger_path: Path) -> str:
+    return f"sqlite://{ledger_path}"
+
+
+@pytest.fixture
+def ledger(ledger_path: Path) -> Iterator[Ledger]:
+    opened = Ledger(SQLiteCacheBackend(ledger_path), lease_s=30.0)
+    yield opened
+    opened.close()
+
+
+def _raise(exc: BaseException) -> Any:
+    def body() -> Any:
+        raise exc
+
+    return body
+
+
+def _pending(ledger: Ledger, key: str, lease_left_s: float) -> Record:
+    """A claim as a worker leaves it: live (`lease_left_s` > 0) or stale (its owner died)."""
+    now = ledger.backend.now()
+    owner = Owner("worker-host", 4242, "abcdef012345")
+    record = Record(
+        key=key,
+        status=Status.PENDING,
+        fingerprint="f" * 64,
+        token=1,
+        revision=1,
+        owner=owner,
+        attempts=1,
+        created_at=now - 60,
+        updated_at=now - 60,
+        lease_expires_at=now + lease_left_s,
+        history=(Event(now - 60, "claim", 1, owner.label),),
+    )
+    assert ledger.backend.insert(record) is None
+    return record
+
+
+def _fenced(ledger: Ledger, key: str) -> Record:
+    """What a worker that committed after being taken over leaves behind."""
+    ledger.run(key, lambda: {"id": "ch_new"})
+    held = ledger.get(key)
+    assert held is not None
+    late = {
+        "token": 1, "owner": "old-host:77:0123456789ab", "outcome": "commit",
+        "result": {"t": "json", "v": {"id": "ch_old"}}, "error": None, "at": held.updated_at,
+    }  # fmt: skip
+    note = (
+        "worker old-host:77:0123456789ab (token 1) finished (commit) after its claim was taken over"
+    )
+    new = held.evolve(
+        Event(held.updated_at, "fenced", held.token, "old-host:77:0123456789ab", note),
+        status=Status.UNCERTAIN,
+        needs_operator=True,
+        error=note,
+        evidence=(late,),
+    )
+    assert ledger.backend.replace(held, new)
+    return new
+
+
+@pytest.fixture
+def populated(ledger: Ledger) -> Ledger:
+    ledger.run("order-committed", lambda: {"id": "ch_1", "amount": 100})
+    with pytest.raises(ValueError):
+        ledger.run("order-failed", _raise(ValueError("card declined")))
+    with pytest.raises(OutcomeUnknown):
+        ledger.run("order-uncertain", _raise(OutcomeUnknown("provider timed out after 30 s")))
+    _pending(ledger, "order-stale", lease_left_s=-120)
+    _pending(ledger, "order-running", lease_left_s=600)
+    _fenced(ledger, "order-twice")
+    return ledger
+
+
+def cli(url: str | None, *args: str, env: dict[str, str] | None = None, **kw: Any) -> Result:
+    argv = (["--ledger", url] if url else []) + list(args)
+    return CliRunner().invoke(main, argv, env={**WIDE, **(env or {})}, **kw)
+
+
+def rows(output: str) -> dict[str, str]:
+    """`ls` table rows by key."""
+    return {line.split()[0]: line for line in output.splitlines()[1:] if line.startswith("order-")}
+
+
+# -- ls ------------------------------------------------------------------------------------
+
+
+def test_ls_lists_every_record_with_its_state(url: str, populated: Ledger) -> None:
+    result = cli(url, "ls")
+    assert result.exit_code == 0, result.output
+    listed = rows(result.stdout)
+    assert set(listed) == {
+        "order-committed", "order-failed", "order-uncertain", "order-stale",
+        "order-running", "order-twice",
+    }  # fmt: skip
+    assert " COMMITTED " in listed["order-committed"]
+    assert "card declined" in listed["order-failed"]
+    assert "UNCERTAIN " in listed["order-uncertain"] and "timed out" in listed["order-uncertain"]
+    assert "PENDING (stale)" in listed["order-stale"] and "lease expired" in listed["order-stale"]
+    assert "worker-host:4242:abcdef012345" in listed["order-stale"]
+    assert "PENDING " in listed["order-running"] and "stale" not in listed["order-running"]
+    assert "UNCERTAIN (needs operator)" in listed["order-twice"]
+    assert f"6 record(s) in {url}" in result.stdout
+
+
+def test_ls_filters(url: str, populated: Ledger) -> None:
+    uncertain = cli(url, "ls", "--status", "UNCERTAIN")
+    assert set(rows(uncertain.stdout)) == {"order-uncertain", "order-twice"}
+    assert set(rows(cli(url, "ls", "--status", "pending").stdout)) == {
+        "order-stale", "order-running"
+    }  # fmt: skip
+    assert set(rows(cli(url, "ls", "--stale").stdout)) == {"order-stale"}
+    assert set(rows(cli(url, "ls", "--needs-operator").stdout)) == {"order-twice"}
+    none = cli(url, "ls", "--status", "committed", "--stale")
+    assert none.exit_code == 0 and "no records match" in none.stdout
+    bad = cli(url, "ls", "--status", "done")
+    assert bad.exit_code == 2 and "'done' is not one of" in bad.stderr
+
+
+def test_ls_json(url: str, populated: Ledger) -> None:
+    result = cli(url, "ls", "--json")
+    assert result.exit_code == 0
+    listed = {item["key"]: item for item in json.loads(result.stdout)}
+    assert len(listed) == 6
+    assert listed["order-stale"]["stale"] is True and listed["order-running"]["stale"] is False
+    assert Record.from_json(json.dumps(listed["order-committed"])) == populated.get(
+        "order-committed"
+    )
+
+
+# -- show ----------------------------------------------------------------------------------
+
+
+def test_show_gives_state_result_evidence_and_history(url: str, populated: Ledger) -> None:
+    result = cli(url, "show", "order-twice")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "UNCERTAIN (needs operator)" in out
+    assert "two executions may have happened" in out
+    assert "evidence (1 late finisher(s))" in out and '"ch_old"' in out
+    assert "old-host:77:0123456789ab" in out
+    assert '"ch_new"' in out  # the new owner's receipt, still on the record
+    table = out.split("history", 1)[1].splitlines()
+    history = [re.split(r"\s{2,}", line.strip()) for line in table if line[:3].strip().isdigit()]
+    assert [(line[0], line[2], line[3]) for line in history] == [
+        ("1", "claim", "1"), ("2", "commit", "1"), ("3", "fenced", "1"),
+    ]  # fmt: skip
+
+
+def test_show_json_is_the_record(url: str, populated: Ledger) -> None:
+    result = cli(url, "show", "order-stale", "--json")
+    data = json.loads(result.stdout)
+    assert data.pop("stale") is True
+    assert Record.from_json(json.dumps(data)) == populated.get("order-stale")
+
+
+def test_show_unknown_key(url: str, populated: Ledger) -> None:
+    result = cli(url, "show", "order-nope")
+    assert result.exit_code == 1
+    assert "no record for idempotency key 'order-nope'" in result.stderr
+    blank = cli(url, "show", " ")
+    assert blank.exit_code == 2 and "KEY" in blank.stderr
+
+
+# -- resolve -------------------------------------------------------------------------------
+
+
+def test_resolve_happened_with_a_json_receipt(url: str, populated: Ledger) -> None:
+    result = cli(
+        url, "resolve", "order-uncertain", "--happened", "--result", '{"id": "ch_9", "n": 1}',
+        "--reason", "ch_9 in the dashboard", "--by", "alice",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "COMMITTED" in result.stdout and "ch_9" in result.stdout
+    record = populated.get("order-uncertain")
+    assert record is not None and record.status is Status.COMMITTED
+    assert record.value() == {"id": "ch_9", "n": 1}
+    event = record.history[-1]
+    assert (event.kind, event.by, event.note) == (
+        "resolve",
+        "alice",
+        "happened: ch_9 in the dashboard",
+    )
+    assert populated.run("order-uncertain", _raise(AssertionError("must replay"))) == {
+        "id": "ch_9", "n": 1
+    }  # fmt: skip
+
+
+def test_resolve_happened_with_a_text_receipt(url: str, populated: Ledger) -> None:
+    result = cli(
+        url, "resolve", "order-stale", "--happened", "--result-text", "ch_7", "--reason", "found"
+    )
+    assert result.exit_code == 0, result.output
+    record = populated.get("order-stale")
+    assert record is not None and record.value() == "ch_7"
+    assert record.history[-1].by.split("@")[0]  # user@host by default
+
+
+def test_resolve_absent(url: str, populated: Ledger) -> None:
+    result = cli(url, "resolve", "order-stale", "--absent", "--reason", "pid 4242 gone, no charge")
+    assert result.exit_code == 0, result.output
+    assert "FAILED; the next attempt runs" in result.stdout
+    record = populated.get("order-stale")
+    assert record is not None and record.status is Status.FAILED
+    assert populated.run("order-stale", lambda: "ran once") == "ran once"
+
+
+def test_resolve_happened_keeps_the_stored_result(url: str, populated: Ledger) -> None:
+    result = cli(url, "resolve", "order-twice", "--happened", "--reason", "refunded ch_old")
+    assert result.exit_code == 0, result.output
+    assert "two executions may have happened" in result.stdout
+    record = populated.get("order-twice")
+    assert record is not None and record.status is Status.COMMITTED
+    assert record.value() == {"id": "ch_new"} and not record.needs_operator
+    assert len(record.evidence) == 1
+
+
+def test_resolve_refusals_change_nothing(url: str, populated: Ledger) -> None:
+    before = {r.key: r for r in populated.records()}
+    cases = [
+        (["order-committed", "--absent", "--reason", "x"], 1, "is COMMITTED"),
+        (["order-failed", "--happened", "--result-text", "t", "--reason", "x"], 1, "is FAILED"),
+        (["order-running", "--absent", "--reason", "x"], 1, "with a live lease"),
+        (["order-nope", "--absent", "--reason", "x"], 1, "no record for idempotency key"),
+        (["order-uncertain", "--happened", "--reason", "x"], 2, "no stored result to keep"),
+        (["order-uncertain", "--happened", "--result", "{nope", "--reason", "x"], 2, "not JSON"),
+        (["order-uncertain", "--happened", "--absent", "--reason", "x"], 2, "either --happened"),
+        (["order-uncertain", "--reason", "x"], 2, "either --happened or --absent"),
+        (["order-uncertain", "--absent"], 2, "Missing option '--reason'"),
+        (["order-uncertain", "--absent", "--reason", "  "], 2, "say what you checked"),
+        (
+            ["order-uncertain", "--absent", "--result-text", "t", "--reason", "x"],
+            2,
+            "with --happened",
+        ),
+        (
+            [
+                "order-uncertain",
+                "--happened",
+                "--result",
+                "1",
+                "--result-text",
+                "1",
+                "--reason",
+                "x",
+            ],
+            2,
+            "not both",
+        ),
+    ]
+    for args, code, message in cases:
+        result = cli(url, "resolve", *args)
+        assert result.exit_code == code, (args, result.output)
+        assert message in result.stderr, (args, result.stderr)
+    assert {r.key: r for r in populated.records()} == before
+
+
+# -- purge ---------------------------------------------------------------------------------
+
+
+def test_purge(url: str, populated: Ledger) -> None:
+    populated.run("order-expired", lambda: "old receipt", ttl=0.001)
+    result = cli(url, "purge")
+    assert result.exit_code == 0 and "purged 1 record(s)" in result.stdout
+    assert populated.get("order-expired") is None and populated.get("order-committed")
+
+    declined = cli(url, "purge", "--all", input="n\n")
+    assert declined.exit_code == 1 and "receipts are lost" in declined.stderr
+    assert populated.get("order-committed") is not None
+
+    everything = cli(url, "purge", "--all", "--yes")
+    assert everything.exit_code == 0 and "purged 2 record(s)" in everything.stdout
+    left = {r.key: r.status for r in populated.records()}
+    assert left == {
+        "order-uncertain": Status.UNCERTAIN, "order-stale": Status.PENDING,
+        "order-running": Status.PENDING, "order-twice": Status.UNCERTAIN,
+    }  # fmt: skip
+
+
+# -- where the ledger is -------------------------------------------------------------------
+
+
+def test_bad_ledger_urls(tmp_path: Path) -> None:
+    unknown = cli("bogus://somewhere", "ls")
+    assert unknown.exit_code == 2 and "unknown ledger URL scheme 'bogus'" in unknown.stderr
+    hosted = cli("sqlite://host/ledger.db", "ls")
+    assert hosted.exit_code == 2 and "a local ledger URL has no host" in hosted.stderr
+    missing = tmp_path / "typo.db"
+    absent = cli(f"sqlite://{missing}", "ls")
+    assert absent.exit_code == 1 and f"no ledger at {missing}" in absent.stderr
+    assert not missing.exists()  # looking did not create an empty ledger
+
+
+def test_unreadable_ledger(tmp_path: Path) -> None:
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"this is not a database" * 100)
+    corrupt.chmod(0o600)
+    result = cli(f"sqlite://{corrupt}", "ls")
+    assert result.exit_code == 1
+    assert "ledger unavailable" in result.stderr and "corrupt" in result.stderr
+
+
+def test_ledger_from_the_environment(url: str, populated: Ledger) -> None:
+    result = cli(None, "ls", "--status", "failed", env={"CREWAI_IDEMPOTENCY_URL": url})
+    assert result.exit_code == 0 and set(rows(result.stdout)) == {"order-failed"}
+
+
+def test_default_ledger_is_the_integrations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("CREWAI_STORAGE_DIR", "shop")
+    monkeypatch.delenv("CREWAI_IDEMPOTENCY_URL", raising=False)
+    from crewai_idempotent.integration._config import default_ledger_path
+
+    path = default_ledger_path()
+    assert path.is_relative_to(tmp_path / "data" / "shop")
+    missing = cli(None, "ls")
+    assert missing.exit_code == 1
+    assert f"no ledger at the default location {path}" in missing.stderr
+    assert "'shop'" in missing.stderr
+    created = Ledger(SQLiteCacheBackend(path))
+    created.run("order-default", lambda: "ok")
+    created.close()
+    listed = cli(None, "ls")
+    assert listed.exit_code == 0 and set(rows(listed.stdout)) == {"order-default"}
+    assert "(default)" in listed.stdout
+
+
+# -- demo ----------------------------------------------------------------------------------
+
+
+def test_demo_calls_run_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls: list[tuple[Any, Any]] = []
+
+    def run_demo(ledger_path: str | None = None, *, console: Any = None) -> int:
+        calls.append((ledger_path, console))
+        console.print("demo ran")
+        return 3
+
+    fake = types.ModuleType("crewai_idempotent.demo")
+    fake.run_demo = run_demo  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "crewai_idempotent.demo", fake)
+    target = str(tmp_path / "demo.db")
+    env = {"CREWAI_IDEMPOTENCY_URL": "sqlite:///must/not/be/used.db"}
+    result = cli(None, "demo", "--ledger-path", target, env=env)
+    assert result.exit_code == 3 and "demo ran" in result.stdout
+    assert calls[0][0] == target and calls[0][1] is not None
+    assert cli(None, "demo", env=env).exit_code == 3 and calls[1][0] is None
+
+
+def test_demo_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "crewai_idempotent.demo", None)
+    result = cli(None, "demo")
+    assert result.exit_code == 1 and "the demo is not available" in result.stderr
+
+
+# -- the installed console script ----------------------------------------------------------
+
+
+def _script() -> Path:
+    script = Path(sys.executable).parent / "crewai-idempotent"
+    if not script.exists():
+        pytest.fail(f"console script not installed at {script}: pip install -e .")
+    return script
+
+
+def test_console_script(url: str, populated: Ledger) -> None:
+    env = {**os.environ, **WIDE}
+    listed = subprocess.run(
+        [_script(), "--ledger", url, "ls", "--stale"], capture_output=True, text=True, env=env
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert set(rows(listed.stdout)) == {"order-stale"}
+    resolved = subprocess.run(
+        [_script(), "--ledger", url, "resolve", "order-stale", "--absent", "--reason", "gone"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert resolved.returncode == 0, resolved.stderr
+    assert populated.get("order-stale").status is Status.FAILED  # type: ignore[union-attr]
+    refused = subprocess.run(
+        [_script(), "--ledger", url, "resolve", "order-stale", "--absent", "--reason", "again"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "is FAILED" in refused.stderr
+
+
+def test_operator_commands_do_not_import_crewai(url: str, populated: Ledger) -> None:
+    """`import crewai` takes seconds; ls/show/resolve/purge must not pay for it."""
+    program = f"""
+import json, sys
+from crewai_idempotent.cli import main
+for argv in (["ls"], ["show", "order-twice"], ["show", "order-nope"],
+             ["resolve", "order-uncertain", "--absent", "--reason", "r"], ["purge"]):
+    try:
+        main(["--ledger", {url!r}, *argv])
+    except SystemExit:
+        pass
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "crewai")))
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+    assert populated.get("order-uncertain").status is Status.FAILED  # type: ignore[union-attr]
+
+
+def test_default_ledger_lookup_does_not_import_crewai(tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "CREWAI_STORAGE_DIR": "p"}
+    env.pop("CREWAI_IDEMPOTENCY_URL", None)
+    program = """
+import json, sys
+from crewai_idempotent.cli import main
+try:
+    main(["ls"])
+except SystemExit:
+    pass
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "crewai")))
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env)
+    assert "no ledger at the default location" in done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+def test_resolve_keeps_a_pydantic_receipt_it_cannot_import(url: str, populated: Ledger) -> None:
+    held = _fenced(populated, "order-model")
+    stored = replace(
+        held,
+        revision=held.revision + 1,
+        result={"t": "pydantic", "cls": "gone.module:Receipt", "v": {"id": "ch_m"}},
+    )
+    assert populated.backend.replace(held, stored)
+    result = cli(url, "resolve", "order-model", "--happened", "--reason", "x")
+    assert result.exit_code == 2 and "gone.module:Receipt" in result.stderr
+    ok = cli(
+        url, "resolve", "order-model", "--happened", "--result", '{"id": "ch_m"}', "--reason", "x"
+    )
+    assert ok.exit_code == 0, ok.output
+
+
+def test_keys_and_notes_print_as_written(url: str, ledger: Ledger) -> None:
+    key = "charge:[bold]x[/bold]:smile:"
+    with pytest.raises(OutcomeUnknown):
+        ledger.run(key, _raise(OutcomeUnknown("[red]no answer[/red]")))
+    shown = cli(url, "show", key)
+    assert shown.exit_code == 0, shown.output
+    assert key in shown.stdout and "[red]no answer[/red]" in shown.stdout
+    assert key in cli(url, "ls").stdout
+    resolved = cli(url, "resolve", key, "--absent", "--reason", "[none]")
+    assert resolved.exit_code == 0 and key in resolved.stdout
