@@ -466,7 +466,7 @@ class Ledger:
         return Outcome(value, False, claim.record)
 
     def _settle_failure(self, claim: _Claim, exc: BaseException) -> None:
-        status, reason = _classify(exc)
+        status, reason = classify_failure(exc)
         try:
             self._drive(self._finish(claim, status, reason=reason))
         except Exception:
@@ -797,7 +797,7 @@ async def _unstoppable(loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *a
     return await asyncio.shield(loop.run_in_executor(None, fn, *args))
 
 
-def _classify(exc: BaseException) -> tuple[Status, str]:
+def classify_failure(exc: BaseException) -> tuple[Status, str]:
     if isinstance(exc, OutcomeUnknown):
         return Status.UNCERTAIN, f"the tool reported an unknown outcome: {exc}"
     if isinstance(exc, TimeoutError | asyncio.CancelledError) or _looks_like_timeout(exc):
@@ -842,3 +842,5 @@ def _check_durations(**values: float | None) -> None:
             raise ValueError(f"{name} must be a non-negative number of seconds, not {value!r}")
     if (values.get("lease_s") or 0) <= 0:
         raise ValueError("lease_s must be greater than 0")
+    if values.get("ttl") == 0:
+        raise ValueError("ttl must be more than 0 seconds, or None: receipts that never expire")

@@ -1,0 +1,479 @@
+"""The guard every call of an idempotent tool passes through, sync and async.
+
+It sits at the innermost callable (a `Tool`'s function, a class tool's `_run`/`_arun`),
+so every crewai path reaches it: ReAct, native function calling (parallel calls too),
+the step executor, LiteAgent, flow tool actions, adapters and direct `tool.run()`.
+
+crewai is imported inside functions: `install()` runs while crewai's own import is
+finishing, possibly triggered by `import crewai_idempotent.integration.events`, and must
+not need a module of ours that is still half-initialised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import weakref
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._errors import IdempotencyKeyConflict, OperationInProgress, OutcomeUncertain
+from .._keys import fingerprint, validate_key
+from .._ledger import Ledger, Outcome, classify_failure
+from .._record import Record, Status
+from ._config import IdempotencyConfig, Settings, ToolOptions, resolve
+from ._keying import KEY_PARAMETER, KeyContext, derive_key
+
+if TYPE_CHECKING:
+    from .events import IdempotencyEvent
+
+log = logging.getLogger("crewai_idempotent")
+
+STASH = "_crewai_idempotency"  # key in a pydantic model's private-attribute dict
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What crewai is running around a tool call (crewai keeps no ContextVar for these)."""
+
+    task: Any = None
+    agent: Any = None
+    crew: Any = None
+
+
+_scope: ContextVar[Scope | None] = ContextVar("crewai_idempotent_scope", default=None)
+_depth: ContextVar[int] = ContextVar("crewai_idempotent_boundaries", default=0)
+_running: ContextVar[frozenset[str]] = ContextVar("crewai_idempotent_running", default=frozenset())
+
+# Crews by id, for calls whose scope does not name the crew (crewai's own crew context
+# carries only the id and key).
+crews: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+class Halt(BaseException):
+    """Carries an `OutcomeUncertain` through crewai to the kickoff.
+
+    crewai turns every `Exception` a tool raises into an observation for the model (and
+    the ReAct path retries it), so an uncertain outcome raised as itself would only
+    become text the model can talk its way past. A `BaseException` passes those
+    `except Exception` layers, skips the agent and guardrail retries, and is turned back
+    into the `OutcomeUncertain` at the outermost task or kickoff (`boundary`).
+    """
+
+    def __init__(self, error: OutcomeUncertain) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+# -- private per-object settings -------------------------------------------------------
+
+
+def stash(model: Any, value: Any) -> None:
+    private = model.__pydantic_private__
+    if private is None:
+        object.__setattr__(model, "__pydantic_private__", {STASH: value})
+    else:
+        private[STASH] = value
+
+
+def stashed(model: Any) -> Any:
+    private = getattr(model, "__pydantic_private__", None)
+    return private.get(STASH) if private else None
+
+
+def options_of(tool: Any) -> ToolOptions | None:
+    options = stashed(tool)
+    return options if isinstance(options, ToolOptions) else None
+
+
+# -- kickoff boundaries ----------------------------------------------------------------
+
+
+def boundary(fn: Callable[..., Any], scope: Scope | None, args: Any, kwargs: Any) -> Any:
+    from crewai.events.event_context import get_current_parent_id
+
+    depth = _depth.get()
+    depth_token = _depth.set(depth + 1)
+    scope_token = _scope.set(scope) if scope is not None else None
+    open_scope = get_current_parent_id()
+    try:
+        return fn(*args, **kwargs)
+    except Halt as halt:
+        if depth == 0:
+            _abandon_event_scopes(open_scope)
+            raise _unwrap(halt) from halt.error.__cause__
+        raise
+    finally:
+        if scope_token is not None:
+            _scope.reset(scope_token)
+        _depth.reset(depth_token)
+
+
+async def aboundary(
+    fn: Callable[..., Awaitable[Any]], scope: Scope | None, args: Any, kwargs: Any
+) -> Any:
+    from crewai.events.event_context import get_current_parent_id
+
+    depth = _depth.get()
+    depth_token = _depth.set(depth + 1)
+    scope_token = _scope.set(scope) if scope is not None else None
+    open_scope = get_current_parent_id()
+    try:
+        return await fn(*args, **kwargs)
+    except Halt as halt:
+        if depth == 0:
+            _abandon_event_scopes(open_scope)
+            raise _unwrap(halt) from halt.error.__cause__
+        raise
+    finally:
+        if scope_token is not None:
+            _scope.reset(scope_token)
+        _depth.reset(depth_token)
+
+
+def _unwrap(halt: Halt) -> OutcomeUncertain:
+    error = halt.error.with_traceback(halt.__traceback__)  # from the tool up to here
+    error.__suppress_context__ = True
+    return error
+
+
+def _abandon_event_scopes(open_scope: str | None) -> None:
+    """Drop the event scopes (task, agent, tool started...) the Halt left open, so that
+    the crew's own failure event closes the crew's scope instead of warning about a
+    mismatch. No events are invented; the uncertain event says what happened."""
+    from crewai.events.event_context import get_current_parent_id, pop_event_scope
+
+    while get_current_parent_id() not in (None, open_scope):
+        pop_event_scope()
+
+
+# -- one guarded callable --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A callable the guard wraps: a Tool's function (`tool_name` known) or a class tool's
+    `_run`/`_arun` (`method`: the first argument is the tool)."""
+
+    signature: inspect.Signature
+    method: bool
+    takes_key: bool
+    tool_name: str | None = None
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], *, method: bool, tool_name: str | None = None) -> Target:
+        signature = inspect.signature(fn)
+        return cls(signature, method, KEY_PARAMETER in signature.parameters, tool_name)
+
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """All arguments by name, defaults applied, without the tool itself or the key."""
+        if self.takes_key and KEY_PARAMETER not in kwargs:
+            kwargs = {**kwargs, KEY_PARAMETER: None}
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = self.signature.parameters
+        found: dict[str, Any] = {}
+        for index, (name, value) in enumerate(bound.arguments.items()):
+            if (self.method and index == 0) or name == KEY_PARAMETER:
+                continue
+            kind = params[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                found.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    found[name] = list(value)
+            else:
+                found[name] = value
+        return found
+
+
+@dataclass(slots=True)
+class _Call:
+    tool: Any
+    tool_name: str
+    key: str
+    fingerprint: str
+    args: dict[str, Any]
+    settings: Settings
+    scope: Scope | None
+
+
+def _task_key(task: Any) -> str | None:
+    if task is None:
+        return None
+    source = f"{task.description}|{task.expected_output}"
+    return hashlib.md5(source.encode(), usedforsecurity=False).hexdigest()
+
+
+def _crew_of(scope: Scope | None) -> Any:
+    from crewai.utilities.crew.crew_context import get_crew_context
+
+    if scope is not None and scope.crew is not None and not isinstance(scope.crew, str):
+        return scope.crew
+    context = get_crew_context()
+    return crews.get(str(context.id)) if context is not None else None
+
+
+def _prepare(
+    target: Target, options: ToolOptions, tool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _Call | None:
+    from crewai.execution import get_execution_uuid
+    from crewai.utilities.crew.crew_context import get_crew_context
+    from crewai.utilities.string_utils import sanitize_tool_name
+
+    name = target.tool_name or sanitize_tool_name(tool.name)
+    try:
+        arguments = target.arguments(args, kwargs)
+    except TypeError as exc:
+        raise TypeError(f"tool {name!r}: {exc}; nothing was run") from exc
+    try:
+        digest = fingerprint({"tool": name, "args": arguments})
+    except TypeError as exc:
+        raise TypeError(
+            f"tool {name!r}: cannot fingerprint its arguments ({exc}); nothing was run"
+        ) from exc
+    scope = _scope.get()
+    crew = _crew_of(scope)
+    crew_config = stashed(crew) if crew is not None else None
+    if not isinstance(crew_config, IdempotencyConfig):
+        crew_config = None
+    settings = resolve(options, crew_config)
+    explicit = kwargs.get(KEY_PARAMETER) if target.takes_key else None
+    if explicit is not None:
+        key = validate_key(explicit)
+    else:
+        context = get_crew_context()
+        ctx = KeyContext(
+            tool=name,
+            crew=crew.key if crew is not None else (context.key if context is not None else None),
+            task=_task_key(scope.task if scope is not None else None),
+            kickoff=get_execution_uuid(),
+            fingerprint=digest,
+        )
+        key = derive_key(settings.idempotency_key, arguments, ctx)
+    if key in _running.get():
+        return None  # a guard inside the same operation (a subclass calling super()._run)
+    if target.takes_key:
+        kwargs[KEY_PARAMETER] = key
+    return _Call(tool, name, key, digest, arguments, settings, scope)
+
+
+# -- events ----------------------------------------------------------------------------
+
+_claims: dict[tuple[int, str], Record] = {}
+_listening: weakref.WeakSet[Ledger] = weakref.WeakSet()
+
+
+def _watch(ledger: Ledger) -> None:
+    """Remember each claim this process makes, so the claim event can carry its token."""
+    if ledger in _listening:
+        return
+    _listening.add(ledger)
+    backend_id = id(ledger.backend)
+
+    def remember(kind: str, record: Record) -> None:
+        if kind == "claim":
+            _claims[(backend_id, record.key)] = record
+
+    ledger.add_listener(remember)
+
+
+def _emit(
+    event_type: type[IdempotencyEvent], call: _Call, record: Record | None, **fields: Any
+) -> None:
+    from crewai.events.event_bus import crewai_event_bus
+    from crewai.execution import get_execution_uuid
+
+    try:
+        scope = call.scope
+        task = scope.task if scope is not None else None
+        agent = scope.agent if scope is not None else None
+        event = event_type(
+            key=call.key,
+            tool_name=call.tool_name,
+            status=record.status.value if record is not None else None,
+            token=record.token if record is not None else None,
+            attempts=record.attempts if record is not None else None,
+            fingerprint=call.fingerprint,
+            owner=record.owner.label if record is not None and record.owner else None,
+            backend=repr(call.settings.ledger.backend),
+            kickoff_id=get_execution_uuid(),
+            task_id=str(task.id) if task is not None else None,
+            task_name=(task.name or task.description) if task is not None else None,
+            agent_id=str(agent.id) if getattr(agent, "id", None) is not None else None,
+            agent_role=getattr(agent, "role", None),
+            **fields,
+        )
+        crewai_event_bus.emit(call.tool, event)
+    except Exception:  # observers never change what the guard does
+        log.exception("could not emit %s for %r", event_type.__name__, call.key)
+
+
+def _forget_claim(call: _Call) -> None:
+    # A claim whose body never started (an async caller cancelled meanwhile) leaves one.
+    _claims.pop((id(call.settings.ledger.backend), call.key), None)
+
+
+def _claimed(call: _Call) -> None:
+    from .events import IdempotencyClaimEvent
+
+    record = _claims.pop((id(call.settings.ledger.backend), call.key), None)
+    takeover = record is not None and record.token > 1
+    _emit(IdempotencyClaimEvent, call, record, takeover=takeover)
+
+
+def _replayed(call: _Call, outcome: Outcome[Any]) -> None:
+    from .events import IdempotencyReplayEvent
+
+    history = outcome.record.history
+    reconciled = bool(history) and history[-1].kind == "reconcile"
+    _emit(IdempotencyReplayEvent, call, outcome.record, reconciled=reconciled)
+
+
+def _refused(call: _Call, exc: IdempotencyKeyConflict | OperationInProgress) -> None:
+    from .events import IdempotencyConflictEvent
+
+    reason = "in_progress" if isinstance(exc, OperationInProgress) else "fingerprint_mismatch"
+    record = getattr(exc, "record", None)
+    _emit(IdempotencyConflictEvent, call, record, reason=reason, message=str(exc))
+
+
+def _uncertain(call: _Call, error: OutcomeUncertain) -> BaseException:
+    """The exception to raise for an uncertain outcome: a Halt inside a kickoff."""
+    from .events import IdempotencyUncertainEvent
+
+    halt = call.settings.on_uncertain == "raise"
+    _emit(IdempotencyUncertainEvent, call, error.record, reason=error.reason, halted=halt)
+    if halt and _depth.get() > 0:
+        return Halt(error)
+    return error
+
+
+def _from_body(call: _Call, exc: BaseException) -> OutcomeUncertain | None:
+    """The body said (or showed) that its effect may have happened."""
+    status, reason = classify_failure(exc)  # the same rule the ledger used to record it
+    if status is not Status.UNCERTAIN or not isinstance(exc, Exception):
+        return None
+    try:
+        record = call.settings.ledger.get(call.key)
+    except Exception:  # noqa: BLE001 - the reason is what matters; the record is a courtesy
+        record = None
+    error = OutcomeUncertain(call.key, record, reason)
+    error.__cause__ = exc
+    return error
+
+
+# -- the guard -------------------------------------------------------------------------
+
+
+def call(
+    target: Target,
+    options: ToolOptions,
+    tool: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    kwargs = dict(kwargs)
+    prepared = _prepare(target, options, tool, args, kwargs)
+    if prepared is None:
+        return fn(*args, **kwargs)
+    ledger = prepared.settings.ledger
+    _watch(ledger)
+    failure: list[BaseException] = []
+
+    def body() -> Any:
+        _claimed(prepared)
+        token = _running.set(_running.get() | {prepared.key})
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            failure.append(exc)
+            raise
+        finally:
+            _running.reset(token)
+
+    try:
+        outcome = ledger.execute(
+            prepared.key,
+            body,
+            fingerprint=prepared.fingerprint,
+            args=prepared.args,
+            **prepared.settings.ledger_options(),
+        )
+    except (IdempotencyKeyConflict, OperationInProgress) as exc:
+        _refused(prepared, exc)
+        raise
+    except OutcomeUncertain as exc:
+        stop = _uncertain(prepared, exc)
+        if stop is exc:
+            raise
+        raise stop from exc
+    except Exception as exc:
+        uncertain = _from_body(prepared, exc) if failure and exc is failure[0] else None
+        if uncertain is None:
+            raise
+        raise _uncertain(prepared, uncertain) from exc
+    finally:
+        _forget_claim(prepared)
+    if outcome.replayed:
+        _replayed(prepared, outcome)
+    return outcome.value
+
+
+async def acall(
+    target: Target,
+    options: ToolOptions,
+    tool: Any,
+    fn: Callable[..., Awaitable[Any]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    kwargs = dict(kwargs)
+    prepared = _prepare(target, options, tool, args, kwargs)
+    if prepared is None:
+        return await fn(*args, **kwargs)
+    ledger = prepared.settings.ledger
+    _watch(ledger)
+    failure: list[BaseException] = []
+
+    async def body() -> Any:
+        _claimed(prepared)
+        token = _running.set(_running.get() | {prepared.key})
+        try:
+            return await fn(*args, **kwargs)
+        except BaseException as exc:
+            failure.append(exc)
+            raise
+        finally:
+            _running.reset(token)
+
+    try:
+        outcome = await ledger.aexecute(
+            prepared.key,
+            body,
+            fingerprint=prepared.fingerprint,
+            args=prepared.args,
+            **prepared.settings.ledger_options(),
+        )
+    except (IdempotencyKeyConflict, OperationInProgress) as exc:
+        _refused(prepared, exc)
+        raise
+    except OutcomeUncertain as exc:
+        stop = _uncertain(prepared, exc)
+        if stop is exc:
+            raise
+        raise stop from exc
+    except Exception as exc:
+        uncertain = _from_body(prepared, exc) if failure and exc is failure[0] else None
+        if uncertain is None:
+            raise
+        raise _uncertain(prepared, uncertain) from exc
+    finally:
+        _forget_claim(prepared)
+    if outcome.replayed:
+        _replayed(prepared, outcome)
+    return outcome.value

@@ -1,0 +1,1 @@
+"""Support code for the crewai integration tests: a scripted model, fake providers."""

@@ -1,0 +1,204 @@
+"""Where the ledger comes from: tool > crew > configure() > CREWAI_IDEMPOTENCY_URL > the
+embedded default, and no setting a user gives is silently ignored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crewai_idempotent import (
+    FileLockCacheBackend,
+    IdempotencyConfig,
+    InMemoryCacheBackend,
+    SQLiteCacheBackend,
+    Status,
+    configure,
+)
+from crewai_idempotent.integration._config import ToolOptions, default_ledger_path, resolve
+from tests.crewai_support.crews import charge_tool, payment_crew, scripted
+from tests.crewai_support.provider import FakeProvider
+
+pytest_plugins = ["tests.crewai_support.fixtures"]
+pytestmark = pytest.mark.usefixtures("isolated_crewai")
+
+ALICE = {"amount": 5, "recipient": "alice", "invoice": "inv-1"}
+
+
+def _keys(backend: Any) -> list[str]:
+    return sorted(r.key for r in backend.scan(Status.COMMITTED))
+
+
+def _kickoff(native: bool, charges: FakeProvider, **crew_options: Any) -> Any:
+    charge = charge_tool(charges, idempotent=True, idempotency_key="pay:{invoice}")
+    crew, _ = payment_crew(
+        [charge], scripted(native, [("charge_card", ALICE)]), reject=1, **crew_options
+    )
+    return crew.kickoff()
+
+
+def test_nothing_configured_uses_the_default_ledger_in_crewai_storage(
+    native: bool, charges: FakeProvider, isolated_crewai: Path
+) -> None:
+    path = default_ledger_path()
+    assert isolated_crewai in path.parents and path.name == "crewai_idempotent.db"
+    assert not path.exists()
+
+    _kickoff(native, charges)
+
+    assert charges.count() == 1
+    assert path.exists()
+    with SQLiteCacheBackend(path) as backend:
+        assert _keys(backend) == ["pay:inv-1"]
+
+
+def test_crew_cache_backend_is_really_used(
+    native: bool, charges: FakeProvider, tmp_path: Path
+) -> None:
+    backend = SQLiteCacheBackend(tmp_path / "crew-ledger.db")
+    _kickoff(native, charges, cache_backend=backend)
+    assert charges.count() == 1
+    assert _keys(backend) == ["pay:inv-1"]
+    assert not default_ledger_path().exists()
+
+
+def test_crew_idempotency_config_is_really_used(
+    native: bool, charges: FakeProvider, tmp_path: Path
+) -> None:
+    backend = FileLockCacheBackend(tmp_path / "crew-ledger")
+    _kickoff(native, charges, idempotency=IdempotencyConfig(backend=backend))
+    assert charges.count() == 1
+    assert _keys(backend) == ["pay:inv-1"]
+    assert not default_ledger_path().exists()
+
+
+def test_crew_backend_as_url(charges: FakeProvider, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'url-ledger.db'}"
+    _kickoff(True, charges, cache_backend=url)
+    with SQLiteCacheBackend(tmp_path / "url-ledger.db") as backend:
+        assert _keys(backend) == ["pay:inv-1"]
+
+
+def test_crew_setting_beats_configure_which_beats_the_environment(
+    charges: FakeProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crew_backend, configured = InMemoryCacheBackend(), InMemoryCacheBackend()
+    monkeypatch.setenv("CREWAI_IDEMPOTENCY_URL", f"sqlite:///{tmp_path / 'env.db'}")
+    configure(backend=configured)
+
+    _kickoff(False, charges, cache_backend=crew_backend)
+    assert _keys(crew_backend) == ["pay:inv-1"] and _keys(configured) == []
+
+    second = charge_tool(charges, idempotent=True, idempotency_key="pay:{invoice}")
+    second.run(**{**ALICE, "invoice": "inv-2"})  # no crew: configure() applies
+    assert _keys(configured) == ["pay:inv-2"]
+
+    configure(None)
+    second.run(**{**ALICE, "invoice": "inv-3"})  # nothing but the environment
+    with SQLiteCacheBackend(tmp_path / "env.db") as backend:
+        assert _keys(backend) == ["pay:inv-3"]
+    assert not default_ledger_path().exists()
+
+
+def test_option_precedence_tool_crew_configure() -> None:
+    configure(wait_s=3, lease_s=40, ttl=100, on_uncertain="report", backend=InMemoryCacheBackend())
+    crew = IdempotencyConfig(wait_s=2, idempotency_key="crew:{fingerprint}")
+    tool = ToolOptions(wait_s=1)
+
+    settings = resolve(tool, crew)
+    assert settings.wait_s == 1  # tool
+    assert settings.idempotency_key == "crew:{fingerprint}"  # crew
+    assert (settings.lease_s, settings.ttl, settings.on_uncertain) == (40, 100, "report")
+    assert settings.backend_source == "configure()"
+
+    configure(None)
+    defaults = resolve(ToolOptions(), None)
+    assert defaults.on_uncertain == "raise" and defaults.backend_source == "default"
+    assert "ttl" not in defaults.ledger_options()  # unset: the ledger's default applies
+
+
+def test_crew_key_template_applies_to_tools_without_one(charges: FakeProvider) -> None:
+    backend = InMemoryCacheBackend()
+    charge = charge_tool(charges, idempotent=True)
+    config = IdempotencyConfig(backend=backend, idempotency_key="crew-wide:{task}")
+    crew, _ = payment_crew(
+        [charge], scripted(True, [("charge_card", ALICE)]), reject=1, idempotency=config
+    )
+    crew.kickoff()
+    assert charges.count() == 1
+    (key,) = _keys(backend)
+    assert key.startswith("crew-wide:") and len(key) == len("crew-wide:") + 32
+
+
+def test_crew_copy_keeps_the_setting(charges: FakeProvider) -> None:
+    backend = InMemoryCacheBackend()
+    charge = charge_tool(charges, idempotent=True, idempotency_key="pay:{invoice}")
+    crew, _ = payment_crew(
+        [charge], scripted(True, [("charge_card", ALICE)]), cache_backend=backend
+    )
+    crew.copy().kickoff()
+    assert _keys(backend) == ["pay:inv-1"]
+    assert not default_ledger_path().exists()
+
+
+def test_conflicting_crew_settings_are_refused(tmp_path: Path, charges: FakeProvider) -> None:
+    one, two = InMemoryCacheBackend(), InMemoryCacheBackend()
+    charge = charge_tool(charges, idempotent=True)
+    llm = scripted(True)
+    with pytest.raises(ValueError, match="name two different ledgers"):
+        payment_crew([charge], llm, cache_backend=one, idempotency=IdempotencyConfig(backend=two))
+    with pytest.raises(TypeError, match=r"takes a crewai_idempotent\.IdempotencyConfig"):
+        payment_crew([charge], llm, idempotency="sqlite:///x.db")
+    with pytest.raises(TypeError, match="CacheBackend or a ledger URL"):
+        payment_crew([charge], llm, cache_backend=object())
+    # The same backend given both ways is one setting, not a conflict.
+    crew, _ = payment_crew(
+        [charge], llm, cache_backend=one, idempotency=IdempotencyConfig(backend=one)
+    )
+    assert crew is not None
+
+
+def test_bad_config_values_are_refused() -> None:
+    with pytest.raises(ValueError, match="on_uncertain must be 'raise' or 'report'"):
+        IdempotencyConfig(on_uncertain="ignore")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backend must be"):
+        IdempotencyConfig(backend=Path("ledger.db"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="wait_s must be a number"):
+        IdempotencyConfig(wait_s="soon")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not both"):
+        configure(IdempotencyConfig(), wait_s=1)
+
+
+def test_bad_environment_url_fails_closed(
+    native: bool, charges: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CREWAI_IDEMPOTENCY_URL", "mysql://nowhere/ledger")
+    charge = charge_tool(charges, idempotent=True)
+    with pytest.raises(ValueError, match="CREWAI_IDEMPOTENCY_URL='mysql://nowhere/ledger'"):
+        charge.run(**ALICE)
+    llm = scripted(native, [("charge_card", ALICE)])
+    crew, _ = payment_crew([charge], llm)
+    crew.kickoff()
+    assert charges.count() == 0  # the tool error reached the model; nothing was charged
+    assert any("unknown ledger URL scheme" in p for p in llm.prompts)
+
+
+def test_on_uncertain_report_from_configure(charges: FakeProvider) -> None:
+    from crewai_idempotent import OutcomeUnknown
+
+    configure(on_uncertain="report")
+
+    def charge_then_time_out(amount: int, recipient: str) -> str:
+        """Charge, then lose the answer."""
+        charges.charge(amount, recipient)
+        raise OutcomeUnknown("gateway timed out after accepting the charge")
+
+    from crewai.tools import tool
+
+    charge = tool("charge_card", idempotent=True)(charge_then_time_out)
+    llm = scripted(True, [("charge_card", {"amount": 5, "recipient": "alice"})])
+    crew, _ = payment_crew([charge], llm, reject=1)
+    crew.kickoff()  # reported to the model, not raised
+    assert charges.count() == 1
+    assert any("is uncertain" in p for p in llm.prompts)
