@@ -449,11 +449,11 @@ def purge(where: _Where, everything: bool, yes: bool) -> None:
 @click.option(
     "--ledger-path",
     type=click.Path(dir_okay=False, path_type=str),
-    help="SQLite file for the demo's ledger (default: a fresh temporary one). The demo never "
-    "uses --ledger or $" + URL_ENV + ".",
+    help="SQLite file for the demo's ledger (default: the embedded SQLite ledger in crewai's "
+    "storage folder). The demo never uses --ledger or $" + URL_ENV + ".",
 )
 def demo(ledger_path: str | None) -> None:
-    """Run a crew whose tool charges a fake provider, crash it, and recover: offline."""
+    """Run an offline payment crew whose guardrail and agent retries replay the receipt."""
     try:
         from .demo import run_demo
     except ImportError as exc:
