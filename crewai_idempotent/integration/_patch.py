@@ -12,6 +12,7 @@ import functools
 import inspect
 import re
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,16 @@ def install() -> None:
             return
         import crewai
 
+        if _natively_guarded():
+            # A crewai with the upstream patch (patches/) guards these tools itself; a second
+            # guard would claim every call twice, in two ledgers.
+            warnings.warn(
+                "crewai guards idempotent tools natively (crewai.tools.idempotency); "
+                "crewai-idempotent's integration stands down",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
         check_version(crewai.__version__)
         try:
             _install()
@@ -74,6 +85,13 @@ def install() -> None:
     from .._autoload import remove_import_hook
 
     remove_import_hook()  # crewai is loaded: a hook waiting for it has nothing left to do
+
+
+def _natively_guarded() -> bool:
+    from crewai.tools.base_tool import BaseTool
+
+    fields = BaseTool.__pydantic_fields__
+    return "idempotent" in fields and not _installed
 
 
 def uninstall() -> None:
