@@ -64,6 +64,8 @@ SCHEMES: dict[str, Callable[[str], CacheBackend]] = {
     "sqlite": _sqlite,
     "file": _file,
     "memory": _memory,
+    **dict.fromkeys(("postgresql", "postgres"), _lazy("._postgres", "from_url")),
+    **dict.fromkeys(("redis", "rediss"), _lazy("._redis", "from_url")),
 }
 
 
@@ -75,5 +77,7 @@ def backend_from_url(url: str) -> CacheBackend:
         build = SCHEMES[scheme]
     except KeyError:
         known = ", ".join(sorted(SCHEMES))
-        raise ValueError(f"unknown ledger URL scheme {scheme!r} in {url!r}; known: {known}") from None
+        raise ValueError(
+            f"unknown ledger URL scheme {scheme!r} in {url!r}; known: {known}"
+        ) from None
     return build(url)

@@ -1,0 +1,676 @@
+"""A ledger in PostgreSQL, for workers on many hosts: one row per key.
+
+The claim is one `INSERT ... ON CONFLICT (key) DO NOTHING` statement that also returns the
+holder when the key is taken, so a claim and a replay each cost one round trip. Every later
+transition is one `UPDATE ... WHERE key AND token AND revision` (a compare-and-set on the
+fencing token). Connections come from a `psycopg_pool.ConnectionPool`.
+
+Leases and TTLs are measured on the server's clock: the backend reads the server's time
+when it opens a connection and at most every `clock_refresh_s` afterwards, and counts the
+local monotonic clock forward from that reading. A claim costs no extra round trip for
+the time, and a host whose wall clock is wrong (or jumps) cannot expire another host's
+lease early: all hosts measure against the same server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import select
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+try:
+    import psycopg
+    from psycopg import errors as pg_errors
+    from psycopg.conninfo import conninfo_to_dict
+    from psycopg.pq import ConnStatus
+    from psycopg_pool import ConnectionPool, PoolTimeout
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        f"the PostgreSQL ledger needs psycopg 3 and psycopg_pool ({exc}); "
+        "install them with: pip install 'crewai-idempotent[postgres]'"
+    ) from exc
+
+from ._backend import CacheBackend
+from ._errors import LedgerUnavailable
+from ._record import Record, Status
+
+log = logging.getLogger("crewai_idempotent")
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+DEFAULT_TABLE = "crewai_idempotency_records"
+#: One row per ledger table: (table_name, version). Lives in the same schema as the table.
+VERSIONS_TABLE = "crewai_idempotency_schema"
+# pg_advisory_xact_lock key that serialises migrations of every crewai-idempotent table.
+_MIGRATION_LOCK = int.from_bytes(
+    hashlib.sha256(b"crewai-idempotent migrate").digest()[:8], "big", signed=True
+)
+
+# Statements that bring a table from version N-1 to version N.
+_MIGRATIONS: dict[int, list[str]] = {
+    1: [
+        """CREATE TABLE IF NOT EXISTS {table} (
+            key        TEXT PRIMARY KEY,
+            status     TEXT NOT NULL,
+            token      BIGINT NOT NULL,
+            revision   BIGINT NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL,
+            doc        TEXT NOT NULL
+        )""",
+        "CREATE INDEX IF NOT EXISTS {index} ON {table} (status, updated_at)",
+    ],
+}
+
+
+def _identifier(name: str, what: str) -> str:
+    """Quote a table or schema name, refusing anything but a plain identifier."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name.encode()) > 63
+        or not (name[0].isalpha() or name[0] == "_")
+        or not all(c.isalnum() or c == "_" for c in name)
+        or not name.isascii()
+    ):
+        raise ValueError(
+            f"{what} must be a plain identifier (letters, digits and _, at most 63 bytes), "
+            f"not {name!r}"
+        )
+    return f'"{name}"'
+
+
+class PostgresCacheBackend(CacheBackend):
+    """A ledger table in PostgreSQL, shared by every worker that connects to it.
+
+    `dsn_or_pool` is a libpq connection string or URL (`postgresql://user@host/db`), or a
+    `psycopg_pool.ConnectionPool` you manage (give its connections `autocommit=True` to
+    save a round trip per operation; this backend never closes a pool it did not create).
+
+    The table (default `crewai_idempotency_records`, optionally in `schema`) is created or
+    migrated on first use; its version is kept in `crewai_idempotency_schema`. Migrations
+    take an advisory lock, so many workers can start at once.
+
+    The pool keeps between `min_size` and `max_size` connections. With the default
+    `min_size=0` it opens connections as calls need them, so a single-threaded worker
+    keeps reusing one (psycopg_pool hands connections out in turn, and alternating
+    between idle server processes costs latency on every call).
+
+    `timeout_s` bounds the wait for a pooled connection, `connect_timeout_s` a new
+    connection, and `statement_timeout_s` each statement on the server. Any of them
+    running out raises `LedgerUnavailable`, so a guarded body never runs unclaimed.
+    """
+
+    def __init__(
+        self,
+        dsn_or_pool: str | ConnectionPool[Any],
+        *,
+        table: str = DEFAULT_TABLE,
+        schema: str | None = None,
+        min_size: int = 0,
+        max_size: int = 10,
+        timeout_s: float = 5.0,
+        connect_timeout_s: float = 5.0,
+        statement_timeout_s: float = 10.0,
+        clock_refresh_s: float = 60.0,
+    ) -> None:
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
+            ("statement_timeout_s", statement_timeout_s),
+            ("clock_refresh_s", clock_refresh_s),
+        ):
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if not 0 <= min_size <= max_size or max_size < 1:
+            raise ValueError(
+                f"need 0 <= min_size <= max_size and max_size >= 1, not {min_size}, {max_size}"
+            )
+        self.table = table
+        self.schema = schema
+        self.min_size, self.max_size = min_size, max_size
+        self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.statement_timeout_s = float(statement_timeout_s)
+        self._sql = _Statements(table, schema)
+        self._given_pool: ConnectionPool[Any] | None
+        if isinstance(dsn_or_pool, ConnectionPool):
+            self._given_pool = dsn_or_pool
+            conninfo = dsn_or_pool.conninfo
+            self._conninfo = conninfo if isinstance(conninfo, str) else ""
+        elif isinstance(dsn_or_pool, str):
+            self._given_pool = None
+            self._conninfo = dsn_or_pool
+        else:
+            raise TypeError(
+                "PostgresCacheBackend needs a connection string/URL or a psycopg_pool."
+                f"ConnectionPool, not {type(dsn_or_pool).__name__}"
+            )
+        self.where = _describe(self._conninfo)
+        self._clock = _ServerClock(clock_refresh_s)
+        self._closed = False
+        self._reset_process_state()
+        _instances.add(self)
+
+    def __repr__(self) -> str:
+        return f"PostgresCacheBackend({self.where!r}, table={self._sql.label!r})"
+
+    # -- connections -------------------------------------------------------------------
+
+    def _reset_process_state(self, inherited: bool = False) -> None:
+        """Fresh per-process state. After fork() the parent's pool must never be used:
+        its sockets are shared with the parent and its worker threads are gone."""
+        if inherited and self._given_pool is None and self._pool is not None:
+            _abandoned.append(self._pool)  # never closed here: that would end the parent's sessions
+        self._inherited = inherited
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool[Any] | None = None
+        self._schema_ready = False
+        self._degraded = False
+        self._direct = threading.BoundedSemaphore(2)
+        self._clock.reset_lock()
+
+    def _pool_here(self) -> ConnectionPool[Any]:
+        pool = self._pool
+        if pool is not None:
+            return pool
+        with self._lock:
+            if self._closed:
+                raise LedgerUnavailable(f"{self!r} is closed")
+            if self._pool is None:
+                if self._given_pool is None:
+                    self._pool = self._new_pool()
+                elif self._inherited:
+                    raise LedgerUnavailable(
+                        f"{self!r}: a ConnectionPool passed in cannot be used after fork(); "
+                        "create the pool and the backend in the child process"
+                    )
+                else:
+                    self._pool = self._given_pool
+            return self._pool
+
+    def _new_pool(self) -> ConnectionPool[Any]:
+        pool: ConnectionPool[Any] = ConnectionPool(
+            self._conninfo,
+            min_size=self.min_size,
+            max_size=self.max_size,
+            timeout=self.timeout_s,
+            kwargs=self._connect_kwargs(),
+            configure=self._configure,
+            name="crewai-idempotent",
+            open=False,
+        )
+        pool.open(wait=False)
+        return pool
+
+    def _connect_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "connect_timeout": max(2, round(self.connect_timeout_s)),
+        }
+        if "application_name" not in conninfo_to_dict(self._conninfo):
+            kwargs["application_name"] = "crewai-idempotent"
+        return kwargs
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """Every new connection: set the statement timeout and read the server clock,
+        in one round trip."""
+        sent = time.monotonic()
+        row = conn.execute(
+            "SELECT set_config('statement_timeout', %s, false), "
+            "extract(epoch from clock_timestamp())::float8",
+            (f"{round(self.statement_timeout_s * 1000)}ms",),
+        ).fetchone()
+        assert row is not None
+        self._clock.record(float(row[1]), sent, time.monotonic())
+
+    def _run(self, what: str, op: Callable[[psycopg.Connection[Any], bool], T], resent: bool) -> T:
+        pool = self._pool or self._pool_here()
+        conn = self._checkout(pool, what)
+        if conn is None:
+            # A bridge while the pool reconnects, not a way around max_size: at most two
+            # direct connections at a time, however many threads are waiting.
+            if not self._direct.acquire(timeout=self.timeout_s):
+                raise LedgerUnavailable(
+                    f"no connection to PostgreSQL at {self.where} within {self.timeout_s} s "
+                    f"while {what}: the pool is reconnecting or all its connections are busy"
+                )
+            try:
+                conn = self._connect_directly(what)
+                try:
+                    return op(conn, resent)
+                finally:
+                    conn.close()
+            finally:
+                self._direct.release()
+        try:
+            if conn.autocommit:
+                return op(conn, resent)
+            with conn:  # a pool passed in may hand out connections that open transactions
+                return op(conn, resent)
+        finally:
+            pool.putconn(conn)
+
+    def _checkout(self, pool: ConnectionPool[Any], what: str) -> psycopg.Connection[Any] | None:
+        """A live pooled connection, or None when the pool has none to give in time."""
+        # While the pool is reconnecting, take a ready connection if there is one, else
+        # go direct at once rather than wait out the pool's back-off on every call.
+        timeout = 0.02 if self._degraded else self.timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                conn = pool.getconn(timeout=max(deadline - time.monotonic(), 0.01))
+            except PoolTimeout:
+                return None
+            except psycopg.Error as exc:  # e.g. the pool was closed under us
+                raise LedgerUnavailable(self._explain(exc, what)) from exc
+            if _alive(conn):
+                self._degraded = False
+                if not self._schema_ready:
+                    try:
+                        self._ensure_schema(conn)
+                    except BaseException:
+                        pool.putconn(conn)
+                        raise
+                return conn
+            # An idle connection the server already closed (it restarted, or an admin
+            # ended the session): drop it, and take the next without a round trip lost.
+            conn.close()
+            pool.putconn(conn)
+
+    def _connect_directly(self, what: str) -> psycopg.Connection[Any]:
+        """One connection outside the pool, used while the pool cannot provide one.
+
+        The pool reconnects in the background with a growing back-off; meanwhile this
+        gives the caller the specific reason the server is unreachable, or, once it is
+        back, serves the call at once instead of waiting for the pool's next attempt.
+        """
+        pool = self._pool_here()
+        conninfo = pool.conninfo if isinstance(pool.conninfo, str) else self._conninfo
+        kwargs = dict(pool.kwargs) if isinstance(pool.kwargs, dict) else {}
+        kwargs.setdefault("connect_timeout", max(2, round(self.connect_timeout_s)))
+        try:
+            conn = psycopg.connect(conninfo, **kwargs)
+        except psycopg.Error as exc:
+            self._degraded = True
+            raise LedgerUnavailable(
+                f"cannot reach PostgreSQL at {self.where} while {what} (no pooled connection "
+                f"within {self.timeout_s} s; a direct attempt failed): {_one_line(exc)}"
+            ) from exc
+        self._degraded = True
+        try:
+            if not conn.autocommit:
+                conn.autocommit = True
+            self._configure(conn)
+            if not self._schema_ready:
+                self._ensure_schema(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _call(
+        self, what: str, op: Callable[[psycopg.Connection[Any], bool], T], *, retry: bool
+    ) -> T:
+        """Run `op(conn, resent)` on a connection. When a connection breaks under a
+        statement and `retry` is set, `op` runs once more on another connection with
+        `resent=True`: the first statement may or may not have been applied."""
+        attempts = 2 if retry else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._run(what, op, attempt > 1)
+            except LedgerUnavailable:
+                raise
+            except psycopg.OperationalError as exc:
+                lost = not isinstance(exc, pg_errors.QueryCanceled)
+                if lost and attempt < attempts:
+                    log.info("PostgreSQL connection lost while %s; trying once more", what)
+                    continue
+                raise LedgerUnavailable(self._explain(exc, what)) from exc
+            except psycopg.Error as exc:
+                raise LedgerUnavailable(self._explain(exc, what)) from exc
+        raise AssertionError("unreachable")
+
+    def _explain(self, exc: BaseException, what: str) -> str:
+        if isinstance(exc, pg_errors.QueryCanceled):
+            why = f"did not finish within statement_timeout_s={self.statement_timeout_s}"
+        elif isinstance(exc, pg_errors.UndefinedTable):
+            why = f"has no ledger table {self._sql.label} (was it dropped?)"
+        elif isinstance(exc, pg_errors.InsufficientPrivilege):
+            why = f"refused access to {self._sql.label}"
+        elif isinstance(exc, pg_errors.ReadOnlySqlTransaction):
+            why = "is read-only (a standby?); the ledger needs the primary"
+        elif isinstance(exc, psycopg.OperationalError):
+            why = "lost the connection"
+        else:
+            why = "failed"
+        return f"PostgreSQL at {self.where} {why} while {what}: {_one_line(exc)}"
+
+    # -- schema ------------------------------------------------------------------------
+
+    def _ensure_schema(self, conn: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            if self._schema_ready:
+                return
+            sql = self._sql
+            try:
+                row = conn.execute(sql.version, (self.table,)).fetchone()
+            except pg_errors.UndefinedTable:
+                row = None
+                if not conn.autocommit:
+                    conn.rollback()
+            if row is None or row[0] != SCHEMA_VERSION:
+                self._check_version(row[0] if row else 0)
+                self._migrate(conn)
+            self._schema_ready = True
+
+    def _check_version(self, version: int) -> None:
+        if version > SCHEMA_VERSION:
+            raise LedgerUnavailable(
+                f"ledger table {self._sql.label} at {self.where} has schema version {version}; "
+                f"this crewai-idempotent understands up to {SCHEMA_VERSION}. "
+                "Upgrade crewai-idempotent."
+            )
+
+    def _migrate(self, conn: psycopg.Connection[Any]) -> None:
+        sql = self._sql
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            if self.schema is not None:
+                conn.execute(f"CREATE SCHEMA IF NOT EXISTS {_identifier(self.schema, 'schema')}")
+            conn.execute(sql.create_versions)
+            row = conn.execute(sql.version, (self.table,)).fetchone()
+            version = row[0] if row else 0
+            self._check_version(version)
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[step]:
+                    conn.execute(statement.format(table=sql.table, index=sql.index))
+            conn.execute(sql.set_version, (self.table, SCHEMA_VERSION))
+        if row is None or row[0] != SCHEMA_VERSION:
+            log.info("ledger table %s at %s is at schema version %d", sql.label, self.where,
+                     SCHEMA_VERSION)  # fmt: skip
+
+    # -- clock -------------------------------------------------------------------------
+
+    def now(self) -> float:
+        reading = self._clock.reading
+        if reading is None or self._clock.due():
+            self._refresh_clock(required=reading is None)
+            reading = self._clock.reading
+            assert reading is not None
+        server, at = reading
+        return server + (time.monotonic() - at)
+
+    def _refresh_clock(self, required: bool) -> None:
+        # One thread measures; the others keep using the previous reading meanwhile.
+        if not self._clock.measuring.acquire(blocking=required):
+            return
+        try:
+            if not required and not self._clock.due():
+                return
+            try:
+                self._call("reading the server clock", self._read_clock, retry=True)
+            except LedgerUnavailable:
+                if required:
+                    raise
+                self._clock.postpone()
+                log.warning("could not refresh the PostgreSQL clock; using the last reading",
+                            exc_info=True)  # fmt: skip
+        finally:
+            self._clock.measuring.release()
+
+    def _read_clock(self, conn: psycopg.Connection[Any], _resent: bool) -> None:
+        if not self._clock.due():
+            return  # the connection was just opened, and _configure read the clock
+        sent = time.monotonic()
+        row = conn.execute("SELECT extract(epoch from clock_timestamp())::float8").fetchone()
+        assert row is not None
+        self._clock.record(float(row[0]), sent, time.monotonic())
+
+    # -- protocol ----------------------------------------------------------------------
+
+    def insert(self, record: Record) -> Record | None:
+        doc = record.to_json()
+        params = {
+            "key": record.key, "status": record.status.value, "token": record.token,
+            "revision": record.revision, "updated_at": record.updated_at, "doc": doc,
+        }  # fmt: skip
+
+        def claim(conn: psycopg.Connection[Any], resent: bool) -> tuple[bool, str | None]:
+            rows = conn.execute(self._sql.claim, params).fetchall()
+            if rows:
+                held = rows[0][0]
+            else:
+                # The holder committed after this statement's snapshot was taken.
+                row = conn.execute(self._sql.get, (record.key,)).fetchone()
+                held = None if row is None else row[0]
+                if held is None:
+                    return False, None
+            # Sent again after a lost connection, finding exactly our record: the first
+            # attempt landed. (The owner id in every claim is random, so no one else's
+            # record is ever identical.)
+            return held is None or (resent and held == doc), held
+
+        while True:
+            stored, held = self._call(f"claiming {record.key!r}", claim, retry=True)
+            if stored:
+                return None
+            if held is not None:
+                return self._decode(held)
+            # deleted between the two statements: claim again
+
+    def replace(self, current: Record, new: Record) -> bool:
+        params = {
+            "status": new.status.value, "token": new.token, "revision": new.revision,
+            "updated_at": new.updated_at, "doc": new.to_json(), "key": current.key,
+            "current_token": current.token, "current_revision": current.revision,
+        }  # fmt: skip
+        # A row that already holds exactly `new` counts as replaced: an earlier send of
+        # this same write landed and its reply was lost, and this backend or the ledger
+        # sent it again. No other writer produces an identical record: every record
+        # carries its time and a random owner id.
+        return self._call(
+            f"updating {current.key!r}",
+            lambda conn, _resent: conn.execute(self._sql.replace, params).rowcount == 1,
+            retry=True,
+        )
+
+    def get(self, key: str) -> Record | None:
+        row = self._call(
+            f"reading {key!r}",
+            lambda conn, _resent: conn.execute(self._sql.get, (key,)).fetchone(),
+            retry=True,
+        )
+        return None if row is None else self._decode(row[0])
+
+    def scan(self, status: Status | None = None) -> Iterator[Record]:
+        if status is None:
+            query, params = self._sql.scan_all, ()
+        else:
+            query, params = self._sql.scan_status, (status.value,)
+        rows = self._call(
+            "listing records",
+            lambda conn, _resent: conn.execute(query, params).fetchall(),
+            retry=True,
+        )
+        return iter([self._decode(row[0]) for row in rows])
+
+    def delete(self, current: Record) -> bool:
+        # Not retried: a delete that landed before a lost connection would report False.
+        return self._call(
+            f"deleting {current.key!r}",
+            lambda conn, _resent: conn.execute(
+                self._sql.delete, (current.key, current.token, current.revision)
+            ).rowcount == 1,
+            retry=False,
+        )  # fmt: skip
+
+    def _decode(self, doc: str) -> Record:
+        try:
+            return Record.from_json(doc)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise LedgerUnavailable(
+                f"corrupt record in {self._sql.label} at {self.where}: {exc!r}"
+            ) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None and self._given_pool is None:
+            pool.close(timeout=5.0)
+
+
+class _Statements:
+    """The SQL for one table, rendered once."""
+
+    def __init__(self, table: str, schema: str | None) -> None:
+        prefix = f"{_identifier(schema, 'schema')}." if schema is not None else ""
+        self.label = f"{schema}.{table}" if schema is not None else table
+        t = self.table = prefix + _identifier(table, "table")
+        digest = hashlib.sha256(self.label.encode()).hexdigest()[:8]
+        self.index = _identifier(f"{table[:40]}_{digest}_status", "index")
+        versions = prefix + _identifier(VERSIONS_TABLE, "table")
+        self.create_versions = (
+            f"CREATE TABLE IF NOT EXISTS {versions} ("
+            "table_name TEXT PRIMARY KEY, version INTEGER NOT NULL, "
+            "migrated_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+        self.version = f"SELECT version FROM {versions} WHERE table_name = %s"
+        self.set_version = (
+            f"INSERT INTO {versions} (table_name, version) VALUES (%s, %s) "
+            "ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, migrated_at = now()"
+        )
+        # One statement: the insert-if-absent, and the holder when the key is taken.
+        # No row back means the holder committed after this statement's snapshot.
+        self.claim = (
+            f"WITH claimed AS (INSERT INTO {t} (key, status, token, revision, updated_at, doc) "
+            "VALUES (%(key)s, %(status)s, %(token)s, %(revision)s, %(updated_at)s, %(doc)s) "
+            "ON CONFLICT (key) DO NOTHING RETURNING key) "
+            "SELECT NULL::text FROM claimed UNION ALL "
+            f"SELECT doc FROM {t} WHERE key = %(key)s AND NOT EXISTS (SELECT FROM claimed)"
+        )
+        update = (
+            f"UPDATE {t} SET status = %(status)s, token = %(token)s, revision = %(revision)s, "
+            "updated_at = %(updated_at)s, doc = %(doc)s WHERE key = %(key)s AND "
+        )
+        self.replace = (
+            update + "((token = %(current_token)s AND revision = %(current_revision)s) OR "
+            "(token = %(token)s AND revision = %(revision)s AND doc = %(doc)s))"
+        )
+        self.get = f"SELECT doc FROM {t} WHERE key = %s"
+        self.scan_all = f"SELECT doc FROM {t} ORDER BY updated_at, key"
+        self.scan_status = f"SELECT doc FROM {t} WHERE status = %s ORDER BY updated_at, key"
+        self.delete = f"DELETE FROM {t} WHERE key = %s AND token = %s AND revision = %s"
+
+
+class _ServerClock:
+    """The server's time, as one reading plus the local monotonic time elapsed since.
+
+    The monotonic clock never jumps, so a host's wall clock being set (or wrong) does not
+    move it; it drifts at most a few parts per million between refreshes.
+    """
+
+    def __init__(self, refresh_s: float) -> None:
+        self.refresh_s = refresh_s
+        self.reading: tuple[float, float] | None = None  # (server epoch s, monotonic then)
+        self._next = 0.0
+        self.measuring = threading.Lock()
+
+    def reset_lock(self) -> None:
+        self.measuring = threading.Lock()
+
+    def record(self, server_epoch: float, sent: float, received: float) -> None:
+        # The server read its clock somewhere inside the round trip: assume the middle.
+        self.reading = (server_epoch, (sent + received) / 2)
+        self._next = received + self.refresh_s
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next
+
+    def postpone(self) -> None:
+        self._next = time.monotonic() + min(self.refresh_s, 5.0)
+
+
+def _alive(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection is still open, without a round trip.
+
+    An idle connection has nothing to read unless the server sent a termination (it is
+    shutting down, or an admin ended the session) or closed the socket, so anything
+    waiting on the socket means the connection is finished.
+    """
+    if conn.closed or conn.pgconn.status != ConnStatus.OK:
+        return False
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return False
+    return not readable
+
+
+def _describe(conninfo: str) -> str:
+    """host:port/dbname for messages; never the password."""
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        return "<unparsable connection string>"
+    host = params.get("host") or params.get("hostaddr") or "localhost"
+    port = params.get("port") or "5432"
+    user = params.get("user")
+    who = f"{user}@" if user else ""
+    return f"{who}{host}:{port}/{params.get('dbname') or user or ''}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# After fork(), every backend drops the pool it inherited (see _reset_process_state).
+_instances: weakref.WeakSet[PostgresCacheBackend] = weakref.WeakSet()
+_abandoned: list[ConnectionPool[Any]] = []
+
+
+def _after_fork_in_child() -> None:
+    for backend in list(_instances):
+        backend._reset_process_state(inherited=True)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "table": str,
+    "schema": str,
+    "min_size": int,
+    "max_size": int,
+    "timeout_s": float,
+    "connect_timeout_s": float,
+    "statement_timeout_s": float,
+    "clock_refresh_s": float,
+}
+
+
+def from_url(url: str) -> PostgresCacheBackend:
+    """`postgresql://user:pass@host:port/db?table=...&max_size=...`; other query
+    parameters (sslmode, ...) go to libpq unchanged."""
+    parts = urlsplit(url)
+    options: dict[str, Any] = {}
+    passthrough = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in _OPTIONS:
+            try:
+                options[name] = _OPTIONS[name](value)
+            except ValueError:
+                raise ValueError(f"{url!r}: bad value for {name}: {value!r}") from None
+        else:
+            passthrough.append((name, value))
+    dsn = urlunsplit(parts._replace(scheme="postgresql", query=urlencode(passthrough)))
+    return PostgresCacheBackend(dsn, **options)

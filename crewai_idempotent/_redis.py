@@ -1,0 +1,447 @@
+"""A ledger in Redis, for teams that already run it.
+
+Each record is a hash (`status`, `token`, `revision`, `doc`) under `<prefix>r:<key>`, and
+each status has a sorted set `<prefix>i:<STATUS>` of keys scored by their last update, so
+listing the UNCERTAIN records never walks the whole keyspace.
+
+Every operation that writes is one Lua script, which Redis runs atomically: the claim is
+"create the record unless the key exists, else return the holder", and every later
+transition is "write only if the stored token and revision still match". Nothing is read
+in one round trip and written in another. The scripts are idempotent (a script whose
+effect is already stored reports success), so redis-py may safely send one again after a
+connection drops before the reply.
+
+How durable a claim is depends on the server's persistence settings: see docs/backends.md.
+The backend warns when the server it talks to persists nothing, or only RDB snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        f"the Redis ledger needs redis-py ({exc}); "
+        "install it with: pip install 'crewai-idempotent[redis]'"
+    ) from exc
+
+from ._backend import CacheBackend
+from ._errors import LedgerUnavailable
+from ._record import Record, Status
+
+log = logging.getLogger("crewai_idempotent")
+
+T = TypeVar("T")
+
+DEFAULT_PREFIX = "crewai-idempotent:"
+_STATUSES = (Status.PENDING, Status.COMMITTED, Status.FAILED, Status.UNCERTAIN)
+
+# KEYS[1] the record; KEYS[2] the index of the new status.
+# ARGV: key, status, token, revision, updated_at, doc, resent (1 when sent again after a lost
+# reply: finding exactly our record then means the first send landed; owner ids are random,
+# so no one else's record is ever identical). Returns nil if stored, else the holder.
+_CLAIM = """
+local held = redis.call('HGET', KEYS[1], 'doc')
+if held then
+    if ARGV[7] == '1' and held == ARGV[6] then return false end
+    return held
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'token', ARGV[3], 'revision', ARGV[4],
+           'doc', ARGV[6])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
+return false
+"""
+
+# KEYS[1] the record; KEYS[2..5] the PENDING, COMMITTED, FAILED, UNCERTAIN indexes.
+# ARGV: key, current token, current revision, status, token, revision, updated_at, doc.
+# A record already equal to the new one counts as replaced: an earlier send of this same
+# write landed and its reply was lost (no other writer produces an identical record: each
+# carries its time and a random owner id).
+_REPLACE = """
+local held = redis.call('HMGET', KEYS[1], 'status', 'token', 'revision', 'doc')
+if held[2] ~= ARGV[2] or held[3] ~= ARGV[3] then
+    if held[2] == ARGV[5] and held[3] == ARGV[6] and held[4] == ARGV[8] then return 1 end
+    return 0
+end
+local index = {PENDING = KEYS[2], COMMITTED = KEYS[3], FAILED = KEYS[4], UNCERTAIN = KEYS[5]}
+redis.call('HSET', KEYS[1], 'status', ARGV[4], 'token', ARGV[5], 'revision', ARGV[6],
+           'doc', ARGV[8])
+if held[1] ~= ARGV[4] then redis.call('ZREM', index[held[1]], ARGV[1]) end
+redis.call('ZADD', index[ARGV[4]], ARGV[7], ARGV[1])
+return 1
+"""
+
+# KEYS as for _REPLACE; ARGV: key, token, revision.
+_DELETE = """
+local held = redis.call('HMGET', KEYS[1], 'status', 'token', 'revision')
+if held[2] ~= ARGV[2] or held[3] ~= ARGV[3] then return 0 end
+local index = {PENDING = KEYS[2], COMMITTED = KEYS[3], FAILED = KEYS[4], UNCERTAIN = KEYS[5]}
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', index[held[1]], ARGV[1])
+return 1
+"""
+
+
+class RedisDurabilityWarning(UserWarning):
+    """The Redis server does not persist what the ledger writes (see docs/backends.md)."""
+
+
+class RedisCacheBackend(CacheBackend):
+    """A ledger in Redis, shared by every worker that connects to the same server.
+
+    `url_or_client` is a `redis://` / `rediss://` URL or a `redis.Redis` client you manage
+    (it is not closed by `close()`). `prefix` namespaces every key the ledger writes.
+    `timeout_s` bounds connecting and each command; after a dropped connection or a
+    timeout a command is sent again up to `retries` times (backing off 50 ms to 0.5 s),
+    then `LedgerUnavailable` is raised, so a guarded body never runs unclaimed. A client
+    you pass in should not retry by itself (`retry=Retry(NoBackoff(), 0)`): a script it
+    resends cannot tell that it is a resend, and a landed claim then looks taken.
+    With `check_persistence` (the default) the first use reads the server's persistence
+    settings and warns (`RedisDurabilityWarning`) if a restart would lose the ledger.
+    """
+
+    def __init__(
+        self,
+        url_or_client: str | redis.Redis,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        timeout_s: float = 5.0,
+        clock_refresh_s: float = 60.0,
+        check_persistence: bool = True,
+        retries: int = 3,
+    ) -> None:
+        for name, value in (("timeout_s", timeout_s), ("clock_refresh_s", clock_refresh_s)):
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+        if not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be a whole number >= 0, not {retries!r}")
+        self.prefix = prefix
+        self.timeout_s = float(timeout_s)
+        self.check_persistence = check_persistence
+        self.retries = retries
+        if isinstance(url_or_client, str):
+            self._owns_client = True
+            self.client = redis.Redis.from_url(
+                url_or_client,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                # Resending is done here, where a resent script knows it is one.
+                retry=Retry(NoBackoff(), 0),
+            )
+        elif isinstance(url_or_client, redis.Redis):
+            self._owns_client = False
+            self.client = url_or_client
+        else:
+            raise TypeError(
+                f"RedisCacheBackend needs a redis:// URL or a redis.Redis client, "
+                f"not {type(url_or_client).__name__}"
+            )
+        self.where = _describe(self.client)
+        self._indexes = [f"{prefix}i:{status.value}" for status in _STATUSES]
+        self._claim = self.client.register_script(_CLAIM)
+        self._replace = self.client.register_script(_REPLACE)
+        self._delete = self.client.register_script(_DELETE)
+        self._clock = _ServerClock(clock_refresh_s)
+        self._checked = not check_persistence
+        self._check_lock = threading.Lock()
+        self._closed = False
+        _instances.add(self)
+
+    def __repr__(self) -> str:
+        return f"RedisCacheBackend({self.where!r}, prefix={self.prefix!r})"
+
+    def _record_key(self, key: str) -> str:
+        return f"{self.prefix}r:{key}"
+
+    def _index(self, status: Status) -> str:
+        return f"{self.prefix}i:{status.value}"
+
+    def _call(self, what: str, op: Callable[[bool], T], *, retry: bool = True) -> T:
+        """Run `op(resent)`. After a dropped connection or a timeout, and when `retry` is
+        set, run it again with `resent=True` (a few times, backing off): the first send
+        may or may not have been applied, and the scripts account for that."""
+        if self._closed:
+            raise LedgerUnavailable(f"{self!r} is closed")
+        if not self._checked:
+            self._check_server()
+        delay = 0.05
+        attempts = 1 + (self.retries if retry else 0)
+        for attempt in range(1, attempts + 1):
+            try:
+                return op(attempt > 1)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if attempt == attempts or isinstance(exc, redis.AuthenticationError):
+                    raise LedgerUnavailable(self._explain(exc, what)) from exc
+                log.info("Redis connection failed while %s; trying again", what)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+            except redis.RedisError as exc:
+                raise LedgerUnavailable(self._explain(exc, what)) from exc
+        raise AssertionError("unreachable")
+
+    def _explain(self, exc: BaseException, what: str) -> str:
+        if isinstance(exc, redis.TimeoutError):
+            why = f"did not answer within timeout_s={self.timeout_s}"
+        elif isinstance(exc, redis.AuthenticationError | redis.exceptions.NoPermissionError):
+            why = "refused our credentials"
+        elif isinstance(exc, redis.ConnectionError):
+            why = "cannot be reached"
+        elif isinstance(exc, redis.exceptions.ReadOnlyError):
+            why = "is a read-only replica; the ledger needs the primary"
+        elif isinstance(exc, redis.exceptions.OutOfMemoryError):
+            why = "is out of memory (maxmemory reached)"
+        else:
+            why = "failed"
+        text = " ".join(str(exc).split())
+        return f"Redis at {self.where} {why} while {what}: {type(exc).__name__}: {text}"
+
+    # -- the server's persistence --------------------------------------------------------
+
+    def _check_server(self) -> None:
+        with self._check_lock:
+            if self._checked:
+                return
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for name in ("appendonly", "save", "appendfsync"):
+                    pipe.config_get(name)
+                config = {k: v for part in pipe.execute() for k, v in part.items()}
+            except redis.ResponseError as exc:  # CONFIG is often renamed on managed Redis
+                log.info("cannot read the persistence settings of Redis at %s (%s); make sure "
+                         "it runs with appendonly yes", self.where, exc)  # fmt: skip
+                self._checked = True
+                return
+            except redis.RedisError as exc:
+                raise LedgerUnavailable(self._explain(exc, "reading its settings")) from exc
+            self._checked = True
+            problem = persistence_problem(_text(config))
+            if problem:
+                message = f"Redis at {self.where}: {problem}"
+                log.warning("%s", message)
+                warnings.warn(message, RedisDurabilityWarning, stacklevel=2)
+
+    # -- clock -------------------------------------------------------------------------
+
+    def now(self) -> float:
+        reading = self._clock.reading
+        if reading is None or self._clock.due():
+            self._refresh_clock(required=reading is None)
+            reading = self._clock.reading
+            assert reading is not None
+        server, at = reading
+        return server + (time.monotonic() - at)
+
+    def _refresh_clock(self, required: bool) -> None:
+        if not self._clock.measuring.acquire(blocking=required):
+            return  # another thread is measuring; the last reading serves meanwhile
+        try:
+            if not required and not self._clock.due():
+                return
+            sent = time.monotonic()
+            try:
+                seconds, micros = self._call(
+                    "reading the server clock", lambda _: self.client.time()
+                )
+            except LedgerUnavailable:
+                if required:
+                    raise
+                self._clock.postpone()
+                log.warning("could not refresh the Redis clock; using the last reading",
+                            exc_info=True)  # fmt: skip
+                return
+            self._clock.record(seconds + micros / 1e6, sent, time.monotonic())
+        finally:
+            self._clock.measuring.release()
+
+    # -- protocol ----------------------------------------------------------------------
+
+    def insert(self, record: Record) -> Record | None:
+        keys = [self._record_key(record.key), self._index(record.status)]
+        args = [
+            record.key, record.status.value, record.token, record.revision,
+            repr(record.updated_at), record.to_json(),
+        ]  # fmt: skip
+        held = self._call(
+            f"claiming {record.key!r}",
+            lambda resent: self._claim(keys=keys, args=[*args, int(resent)]),
+        )
+        return None if held is None else self._decode(held)
+
+    def replace(self, current: Record, new: Record) -> bool:
+        keys = [self._record_key(current.key), *self._indexes]
+        args = [
+            current.key, current.token, current.revision, new.status.value, new.token,
+            new.revision, repr(new.updated_at), new.to_json(),
+        ]  # fmt: skip
+        done = self._call(
+            f"updating {current.key!r}",
+            lambda _: self._replace(keys=keys, args=args),
+        )
+        return bool(done)
+
+    def get(self, key: str) -> Record | None:
+        record_key = self._record_key(key)
+        held = self._call(f"reading {key!r}", lambda _: self.client.hget(record_key, "doc"))
+        return None if held is None else self._decode(held)
+
+    def scan(self, status: Status | None = None) -> Iterator[Record]:
+        statuses = _STATUSES if status is None else (status,)
+
+        def list_indexes(_resent: bool) -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for one in statuses:
+                pipe.zrange(self._index(one), 0, -1, withscores=True)
+            return pipe.execute()
+
+        def read(keys: list[str]) -> Callable[[bool], list[Any]]:
+            def read_(_resent: bool) -> list[Any]:
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.hget(self._record_key(key), "doc")
+                return pipe.execute()
+
+            return read_
+
+        listed = self._call("listing records", list_indexes)
+        entries = sorted((score, _text(key)) for members in listed for key, score in members)
+        records: list[Record] = []
+        for start in range(0, len(entries), 500):
+            keys = [key for _score, key in entries[start : start + 500]]
+            docs = self._call("reading records", read(keys))
+            # A record deleted since the index was read is simply gone.
+            records.extend(self._decode(doc) for doc in docs if doc is not None)
+        if status is not None:
+            records = [r for r in records if r.status is status]
+        records.sort(key=lambda r: r.updated_at)
+        return iter(records)
+
+    def delete(self, current: Record) -> bool:
+        keys = [self._record_key(current.key), *self._indexes]
+        args = [current.key, current.token, current.revision]
+        done = self._call(
+            f"deleting {current.key!r}", lambda _: self._delete(keys=keys, args=args), retry=False
+        )
+        return bool(done)
+
+    def _decode(self, doc: bytes | str) -> Record:
+        try:
+            return Record.from_json(doc)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise LedgerUnavailable(
+                f"corrupt record under prefix {self.prefix!r} at Redis {self.where}: {exc!r}"
+            ) from exc
+
+    def close(self) -> None:
+        self._closed = True
+        if self._owns_client:
+            self.client.close()
+
+
+def persistence_problem(config: dict[str, str]) -> str | None:
+    """What a restart of a server with these settings would lose, or None if nothing
+    acknowledged is lost when the Redis process restarts or crashes."""
+    appendonly = config.get("appendonly", "").lower()
+    save = config.get("save", "").strip()
+    if appendonly == "yes":
+        return None
+    if not save:
+        return (
+            "persistence is disabled (appendonly no, save ''): every claim and receipt is "
+            "lost when the server restarts, and a retried tool then runs again. Run it with "
+            "appendonly yes (and appendfsync always for tools that move money)"
+        )
+    return (
+        f"only RDB snapshots are taken (appendonly no, save {save!r}): the claims and "
+        "receipts written since the last snapshot are lost when the server restarts, and "
+        "those tools then run again. Run it with appendonly yes (and appendfsync always "
+        "for tools that move money)"
+    )
+
+
+class _ServerClock:
+    """The server's time, as one reading plus the local monotonic time elapsed since."""
+
+    def __init__(self, refresh_s: float) -> None:
+        self.refresh_s = refresh_s
+        self.reading: tuple[float, float] | None = None  # (server epoch s, monotonic then)
+        self._next = 0.0
+        self.measuring = threading.Lock()
+
+    def record(self, server_epoch: float, sent: float, received: float) -> None:
+        self.reading = (server_epoch, (sent + received) / 2)
+        self._next = received + self.refresh_s
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next
+
+    def postpone(self) -> None:
+        self._next = time.monotonic() + min(self.refresh_s, 5.0)
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, dict):
+        return {_text(k): _text(v) for k, v in value.items()}
+    return value
+
+
+def _describe(client: redis.Redis) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    if kwargs.get("path"):
+        return f"unix:{kwargs['path']}/{kwargs.get('db', 0)}"
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+
+
+# A lock held by another thread at fork() would stay held forever in the child. (redis-py
+# itself drops the connections a child inherits.)
+_instances: weakref.WeakSet[RedisCacheBackend] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for backend in list(_instances):
+        backend._check_lock = threading.Lock()
+        backend._clock.measuring = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "prefix": str,
+    "timeout_s": float,
+    "clock_refresh_s": float,
+    "check_persistence": lambda value: value.lower() in ("1", "true", "yes", "on"),
+    "retries": int,
+}
+
+
+def from_url(url: str) -> RedisCacheBackend:
+    """`redis://[:password@]host:port/db?prefix=...`, `rediss://` for TLS; other query
+    parameters go to redis-py unchanged."""
+    parts = urlsplit(url)
+    options: dict[str, Any] = {}
+    passthrough = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in _OPTIONS:
+            try:
+                options[name] = _OPTIONS[name](value)
+            except ValueError:
+                raise ValueError(f"{url!r}: bad value for {name}: {value!r}") from None
+        else:
+            passthrough.append((name, value))
+    return RedisCacheBackend(urlunsplit(parts._replace(query=urlencode(passthrough))), **options)
