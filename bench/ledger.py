@@ -173,8 +173,10 @@ def main() -> int:
         for size in (1000, records):
             print(f"{f'file-lock @ {size} rec':<22}{f[f'cycles@{size}']:>10.0f}{'':>17}"
                   f"{f[f'replays@{size}']:>11.0f}")  # fmt: skip
-        print(f"\nfile-lock cycles/s at {records} records / at 1000: {f['flatness']:.2f} "
-              "(target >= 0.80)")
+        print(
+            f"\nfile-lock cycles/s at {records} records / at 1000: {f['flatness']:.2f} "
+            "(target >= 0.80)"
+        )
         print("SQLite ours/raw cycle ratio target >= 0.80:", "met" if ok else "NOT met")
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2))

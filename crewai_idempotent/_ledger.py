@@ -331,7 +331,11 @@ class Ledger:
                     lease_expires_at=now + o.lease_s,
                     history=(Event(now, "claim", 1, owner.label),),
                 )
-                held = yield _Call(backend.insert, record)
+                try:
+                    held = yield _Call(backend.insert, record)
+                except LedgerUnavailable:
+                    yield from self._release_unanswered(record)
+                    raise
                 if held is None:
                     self._emit("claim", record)
                     return _Claim(record, o)
@@ -353,7 +357,8 @@ class Ledger:
                 if waited >= o.wait_s:
                     self._emit("in_progress", held)
                     raise OperationInProgress(key, held, waited)
-                yield _Sleep(min(delay, o.wait_s - waited, held.lease_expires_at - now + 0.001))
+                lease_left = (held.lease_expires_at or now) - now
+                yield _Sleep(min(delay, o.wait_s - waited, lease_left + 0.001))
                 delay = min(delay * 2, 0.2)
                 held = yield _Call(backend.get, key)
                 continue
@@ -388,6 +393,24 @@ class Ledger:
             if claim is not None:
                 return claim
             held = yield _Call(backend.get, key)  # lost a race: look again
+
+    def _release_unanswered(self, record: Record) -> Step[None]:
+        """The store failed to answer a claim that may nonetheless have landed. The body
+        never started, so if the claim is there it is released as FAILED rather than left
+        to lapse into an uncertain record."""
+        try:
+            held = yield _Call(self.backend.get, record.key)
+            if held is None or held.owner != record.owner or held.token != record.token:
+                return
+            now = self.backend.now()
+            note = "the store did not answer the claim; the body never started"
+            released = held.evolve(
+                Event(now, "fail", held.token, _label(held), note),
+                status=Status.FAILED, error=note, updated_at=now, lease_expires_at=None,
+            )  # fmt: skip
+            yield _Call(self.backend.replace, held, released)
+        except LedgerUnavailable:
+            pass  # still unreachable: a claim that landed lapses and is treated as stale
 
     def _check_fingerprint(self, held: Record, o: _Options) -> None:
         if held.fingerprint != o.fingerprint:
@@ -659,7 +682,7 @@ class Ledger:
             try:
                 step = steps.send(reply) if error is None else steps.throw(error)
             except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+                return stop.value
             reply = error = None
             if type(step) is _Call:
                 try:

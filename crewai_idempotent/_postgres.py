@@ -491,8 +491,9 @@ class PostgresCacheBackend(CacheBackend):
         return None if row is None else self._decode(row[0])
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
+        params: tuple[str, ...] = ()
         if status is None:
-            query, params = self._sql.scan_all, ()
+            query = self._sql.scan_all
         else:
             query, params = self._sql.scan_status, (status.value,)
         rows = self._call(

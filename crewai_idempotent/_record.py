@@ -116,30 +116,36 @@ class Record:
         return replace(self, **changes)
 
     def to_json(self) -> str:
+        doc = self._doc()
+        try:
+            # pydantic-core's encoder is several times faster than json.dumps here.
+            return pydantic_core.to_json(doc, inf_nan_mode="constants").decode("utf-8")
+        except pydantic_core.PydanticSerializationError:
+            # A lone surrogate in an error text or a note: not UTF-8. Those are diagnostics,
+            # so escape them rather than fail (results are made exact by _results.encode).
+            return pydantic_core.to_json(_printable(doc), inf_nan_mode="constants").decode()
+
+    def _doc(self) -> dict[str, Any]:
         owner = self.owner
-        # pydantic-core's encoder is several times faster than json.dumps on the hot path.
-        return pydantic_core.to_json(
-            {
-                "v": 1,
-                "key": self.key,
-                "status": self.status.value,
-                "fingerprint": self.fingerprint,
-                "token": self.token,
-                "revision": self.revision,
-                "owner": [owner.host, owner.pid, owner.id] if owner else None,
-                "attempts": self.attempts,
-                "created_at": self.created_at,
-                "updated_at": self.updated_at,
-                "lease_expires_at": self.lease_expires_at,
-                "expires_at": self.expires_at,
-                "result": self.result,
-                "error": self.error,
-                "needs_operator": self.needs_operator,
-                "evidence": list(self.evidence),
-                "history": [[e.at, e.kind, e.token, e.by, e.note] for e in self.history],
-            },
-            inf_nan_mode="constants",
-        ).decode("utf-8")
+        return {
+            "v": 1,
+            "key": self.key,
+            "status": self.status.value,
+            "fingerprint": self.fingerprint,
+            "token": self.token,
+            "revision": self.revision,
+            "owner": [owner.host, owner.pid, owner.id] if owner else None,
+            "attempts": self.attempts,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "lease_expires_at": self.lease_expires_at,
+            "expires_at": self.expires_at,
+            "result": self.result,
+            "error": self.error,
+            "needs_operator": self.needs_operator,
+            "evidence": list(self.evidence),
+            "history": [[e.at, e.kind, e.token, e.by, e.note] for e in self.history],
+        }
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Record:
@@ -163,3 +169,13 @@ class Record:
             evidence=tuple(d["evidence"]),
             history=tuple(Event(*e) for e in d["history"]),
         )
+
+
+def _printable(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_printable(v) for v in value]
+    return value

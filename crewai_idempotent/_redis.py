@@ -283,7 +283,7 @@ class RedisCacheBackend(CacheBackend):
 
     def replace(self, current: Record, new: Record) -> bool:
         keys = [self._record_key(current.key), *self._indexes]
-        args = [
+        args: list[str | int | float] = [
             current.key, current.token, current.revision, new.status.value, new.token,
             new.revision, repr(new.updated_at), new.to_json(),
         ]  # fmt: skip
@@ -331,7 +331,7 @@ class RedisCacheBackend(CacheBackend):
 
     def delete(self, current: Record) -> bool:
         keys = [self._record_key(current.key), *self._indexes]
-        args = [current.key, current.token, current.revision]
+        args: list[str | int | float] = [current.key, current.token, current.revision]
         done = self._call(
             f"deleting {current.key!r}", lambda _: self._delete(keys=keys, args=args), retry=False
         )

@@ -7,6 +7,8 @@ import json
 import logging
 from typing import Any
 
+import pydantic_core
+
 log = logging.getLogger("crewai_idempotent")
 
 _PLAIN = (str, int, float, bool, type(None))
@@ -14,6 +16,17 @@ _PLAIN = (str, int, float, bool, type(None))
 
 def encode(value: Any) -> dict[str, Any]:
     """Encode `value` for the ledger. Never raises: the last resort is its str()."""
+    payload = _encode(value)
+    try:
+        pydantic_core.to_json(payload)
+    except pydantic_core.PydanticSerializationError:
+        # Lone surrogates (say, from a filename decoded with surrogateescape) are not
+        # UTF-8; keep the exact value as ASCII-escaped JSON text inside the payload.
+        return {"t": "escaped", "v": json.dumps(value, ensure_ascii=True, default=str)}
+    return payload
+
+
+def _encode(value: Any) -> dict[str, Any]:
     if isinstance(value, _PLAIN):
         return {"t": "json", "v": value}
     try:
@@ -42,6 +55,8 @@ def decode(payload: Any) -> Any:
     if payload is None:
         return None
     kind = payload.get("t")
+    if kind == "escaped":
+        return json.loads(payload["v"])
     if kind == "pydantic":
         module, _, qualname = payload["cls"].partition(":")
         try:

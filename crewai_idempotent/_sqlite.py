@@ -8,8 +8,9 @@ import random
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ._backend import CacheBackend
 from ._errors import LedgerUnavailable
@@ -17,6 +18,7 @@ from ._paths import private_file
 from ._record import Record, Status
 
 SCHEMA_VERSION = 1
+T = TypeVar("T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS idempotency_records (
@@ -105,7 +107,9 @@ class SQLiteCacheBackend(CacheBackend):
             raise
         return conn
 
-    def _retry_busy(self, step, conn: sqlite3.Connection) -> None:  # type: ignore[no-untyped-def]
+    def _retry_busy(
+        self, step: Callable[[sqlite3.Connection], None], conn: sqlite3.Connection
+    ) -> None:
         # Switching to WAL and recovering a WAL index return SQLITE_BUSY without calling
         # the busy handler when several processes open a new ledger at once; retry those
         # within the same time budget the busy timeout gives every other statement.
@@ -152,7 +156,7 @@ class SQLiteCacheBackend(CacheBackend):
                 conn.execute("ROLLBACK")
             raise
 
-    def _guard(self, fn, *args):  # type: ignore[no-untyped-def]
+    def _guard(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn`, turning SQLite's failures into a LedgerUnavailable that names the cause."""
         try:
             return fn(*args)
@@ -220,8 +224,9 @@ class SQLiteCacheBackend(CacheBackend):
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         conn = self._conn()
+        params: tuple[str, ...] = ()
         if status is None:
-            sql, params = "SELECT doc FROM idempotency_records ORDER BY updated_at", ()
+            sql = "SELECT doc FROM idempotency_records ORDER BY updated_at"
         else:
             sql = "SELECT doc FROM idempotency_records WHERE status = ? ORDER BY updated_at"
             params = (status.value,)

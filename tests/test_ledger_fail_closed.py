@@ -256,3 +256,34 @@ def test_commit_that_cannot_be_stored_returns_the_receipt_and_never_reruns(
     with pytest.raises(Exception, match="uncertain"):
         ledger.run("k", counter.body("k"))
     assert counter.lines() == ["k"]
+
+
+def test_claim_stored_but_unanswered_is_released_as_never_started(counter: Counter) -> None:
+    class LosesTheReply(InMemoryCacheBackend):
+        lose = True
+
+        def insert(self, record: Any) -> Any:
+            held = super().insert(record)
+            if self.lose:
+                self.lose = False
+                raise ConnectionResetError("connection lost after the server stored the claim")
+            return held
+
+    backend = LosesTheReply()
+    ledger = Ledger(backend)
+    with pytest.raises(LedgerUnavailable, match="ConnectionResetError"):
+        ledger.run("k", counter.body("k"))
+    record = backend.get("k")
+    assert record is not None and record.status is Status.FAILED
+    assert "never started" in (record.error or "")
+    assert counter.lines() == []
+    assert ledger.run("k", counter.body("k")) == "receipt-k"  # not stuck, not uncertain
+    assert counter.lines() == ["k"]
+
+
+def test_result_that_is_not_utf8_still_commits_and_replays_exactly(tmp_path: Path) -> None:
+    ledger = Ledger(SQLiteCacheBackend(tmp_path / "ledger.db"))
+    name = b"invoice-\xff.pdf".decode("utf-8", "surrogateescape")  # a lone surrogate
+    assert ledger.run("file", lambda: {"sent": name}) == {"sent": name}
+    assert ledger.get("file").status is Status.COMMITTED  # type: ignore[union-attr]
+    assert ledger.run("file", lambda: "again") == {"sent": name}

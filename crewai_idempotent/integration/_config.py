@@ -190,7 +190,7 @@ def ledger_for(backend: CacheBackend) -> Ledger:
         ledger = state.get(_LEDGER_ATTR)
         if ledger is None:
             ledger = state[_LEDGER_ATTR] = Ledger(backend)
-        return ledger  # type: ignore[no-any-return]
+        return ledger
 
 
 def _backend_from(value: CacheBackend | str) -> CacheBackend:
@@ -298,7 +298,7 @@ def merge_crew_settings(
                 f"not {type(idempotency).__name__}"
             )
     if cache_backend is None:
-        return idempotency  # type: ignore[no-any-return]
+        return idempotency
     if not isinstance(cache_backend, CacheBackend | str):
         raise TypeError(
             f"{where}(cache_backend=...) takes a crewai_idempotent CacheBackend or a ledger URL, "

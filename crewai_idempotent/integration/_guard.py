@@ -303,7 +303,7 @@ def _emit(
             kickoff_id=get_execution_uuid(),
             task_id=str(task.id) if task is not None else None,
             task_name=(task.name or task.description) if task is not None else None,
-            agent_id=str(agent.id) if getattr(agent, "id", None) is not None else None,
+            agent_id=str(getattr(agent, "id", None)) if getattr(agent, "id", None) else None,
             agent_role=getattr(agent, "role", None),
             **fields,
         )

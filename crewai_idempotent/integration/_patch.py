@@ -145,6 +145,7 @@ def _install() -> None:
                 _set(cls, name, _tools.guard_method(method))
 
     def walk(cls: type) -> None:
+        sub: type
         for sub in cls.__subclasses__():
             guard_class(sub)
             walk(sub)

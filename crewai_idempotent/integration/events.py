@@ -30,21 +30,21 @@ class IdempotencyEvent(BaseEvent):
 class IdempotencyClaimEvent(IdempotencyEvent):
     """The key was claimed (or taken over after a failure); the tool body runs now."""
 
-    type: Literal["idempotency_claim"] = "idempotency_claim"  # type: ignore[assignment]
+    type: Literal["idempotency_claim"] = "idempotency_claim"
     takeover: bool = False
 
 
 class IdempotencyReplayEvent(IdempotencyEvent):
     """The tool did not run: the stored result of an earlier run was returned."""
 
-    type: Literal["idempotency_replay"] = "idempotency_replay"  # type: ignore[assignment]
+    type: Literal["idempotency_replay"] = "idempotency_replay"
     reconciled: bool = False
 
 
 class IdempotencyConflictEvent(IdempotencyEvent):
     """Nothing ran: the key belongs to other arguments, or another worker holds it."""
 
-    type: Literal["idempotency_conflict"] = "idempotency_conflict"  # type: ignore[assignment]
+    type: Literal["idempotency_conflict"] = "idempotency_conflict"
     reason: Literal["fingerprint_mismatch", "in_progress"]
     message: str
 
@@ -52,7 +52,7 @@ class IdempotencyConflictEvent(IdempotencyEvent):
 class IdempotencyUncertainEvent(IdempotencyEvent):
     """Whether the operation happened is unknown; nothing runs until it is resolved."""
 
-    type: Literal["idempotency_uncertain"] = "idempotency_uncertain"  # type: ignore[assignment]
+    type: Literal["idempotency_uncertain"] = "idempotency_uncertain"
     reason: str
     halted: bool
 

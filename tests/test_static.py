@@ -1,0 +1,30 @@
+"""The house rules that tools can check: ruff clean, formatted, and typed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_ruff_finds_nothing() -> None:
+    done = _run("ruff", "check", ".")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_code_is_formatted() -> None:
+    done = _run("ruff", "format", "--check", ".")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_package_type_checks() -> None:
+    done = _run("mypy")
+    assert done.returncode == 0, done.stdout + done.stderr
