@@ -38,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     ) from exc
 
 from ._backend import CacheBackend
+from ._clock import ServerClock
 from ._errors import LedgerUnavailable
 from ._record import Record, Status
 
@@ -154,7 +155,7 @@ class PostgresCacheBackend(CacheBackend):
                 f"ConnectionPool, not {type(dsn_or_pool).__name__}"
             )
         self.where = _describe(self._conninfo)
-        self._clock = _ServerClock(clock_refresh_s)
+        self._clock = ServerClock("PostgreSQL", self._read_clock, clock_refresh_s)
         self._closed = False
         self._reset_process_state()
         _instances.add(self)
@@ -175,7 +176,7 @@ class PostgresCacheBackend(CacheBackend):
         self._schema_ready = False
         self._degraded = False
         self._direct = threading.BoundedSemaphore(2)
-        self._clock.reset_lock()
+        self._clock.after_fork()
 
     def _pool_here(self) -> ConnectionPool[Any]:
         pool = self._pool
@@ -400,39 +401,17 @@ class PostgresCacheBackend(CacheBackend):
     # -- clock -------------------------------------------------------------------------
 
     def now(self) -> float:
-        reading = self._clock.reading
-        if reading is None or self._clock.due():
-            self._refresh_clock(required=reading is None)
-            reading = self._clock.reading
-            assert reading is not None
-        server, at = reading
-        return server + (time.monotonic() - at)
+        return self._clock.now()
 
-    def _refresh_clock(self, required: bool) -> None:
-        # One thread measures; the others keep using the previous reading meanwhile.
-        if not self._clock.measuring.acquire(blocking=required):
-            return
-        try:
-            if not required and not self._clock.due():
-                return
-            try:
-                self._call("reading the server clock", self._read_clock, retry=True)
-            except LedgerUnavailable:
-                if required:
-                    raise
-                self._clock.postpone()
-                log.warning("could not refresh the PostgreSQL clock; using the last reading",
-                            exc_info=True)  # fmt: skip
-        finally:
-            self._clock.measuring.release()
+    def _read_clock(self) -> float | None:
+        def read(conn: psycopg.Connection[Any], _resent: bool) -> float | None:
+            if not self._clock.due():
+                return None  # the connection was just opened, and _configure read the clock
+            row = conn.execute("SELECT extract(epoch from clock_timestamp())::float8").fetchone()
+            assert row is not None
+            return float(row[0])
 
-    def _read_clock(self, conn: psycopg.Connection[Any], _resent: bool) -> None:
-        if not self._clock.due():
-            return  # the connection was just opened, and _configure read the clock
-        sent = time.monotonic()
-        row = conn.execute("SELECT extract(epoch from clock_timestamp())::float8").fetchone()
-        assert row is not None
-        self._clock.record(float(row[0]), sent, time.monotonic())
+        return self._call("reading the server clock", read, retry=True)
 
     # -- protocol ----------------------------------------------------------------------
 
@@ -570,34 +549,6 @@ class _Statements:
         self.scan_all = f"SELECT doc FROM {t} ORDER BY updated_at, key"
         self.scan_status = f"SELECT doc FROM {t} WHERE status = %s ORDER BY updated_at, key"
         self.delete = f"DELETE FROM {t} WHERE key = %s AND token = %s AND revision = %s"
-
-
-class _ServerClock:
-    """The server's time, as one reading plus the local monotonic time elapsed since.
-
-    The monotonic clock never jumps, so a host's wall clock being set (or wrong) does not
-    move it; it drifts at most a few parts per million between refreshes.
-    """
-
-    def __init__(self, refresh_s: float) -> None:
-        self.refresh_s = refresh_s
-        self.reading: tuple[float, float] | None = None  # (server epoch s, monotonic then)
-        self._next = 0.0
-        self.measuring = threading.Lock()
-
-    def reset_lock(self) -> None:
-        self.measuring = threading.Lock()
-
-    def record(self, server_epoch: float, sent: float, received: float) -> None:
-        # The server read its clock somewhere inside the round trip: assume the middle.
-        self.reading = (server_epoch, (sent + received) / 2)
-        self._next = received + self.refresh_s
-
-    def due(self) -> bool:
-        return time.monotonic() >= self._next
-
-    def postpone(self) -> None:
-        self._next = time.monotonic() + min(self.refresh_s, 5.0)
 
 
 def _alive(conn: psycopg.Connection[Any]) -> bool:

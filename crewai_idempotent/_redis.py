@@ -38,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     ) from exc
 
 from ._backend import CacheBackend
+from ._clock import ServerClock
 from ._errors import LedgerUnavailable
 from ._record import Record, Status
 
@@ -155,7 +156,7 @@ class RedisCacheBackend(CacheBackend):
         self._claim = self.client.register_script(_CLAIM)
         self._replace = self.client.register_script(_REPLACE)
         self._delete = self.client.register_script(_DELETE)
-        self._clock = _ServerClock(clock_refresh_s)
+        self._clock = ServerClock("Redis", self._read_clock, clock_refresh_s)
         self._checked = not check_persistence
         self._check_lock = threading.Lock()
         self._closed = False
@@ -237,35 +238,11 @@ class RedisCacheBackend(CacheBackend):
     # -- clock -------------------------------------------------------------------------
 
     def now(self) -> float:
-        reading = self._clock.reading
-        if reading is None or self._clock.due():
-            self._refresh_clock(required=reading is None)
-            reading = self._clock.reading
-            assert reading is not None
-        server, at = reading
-        return server + (time.monotonic() - at)
+        return self._clock.now()
 
-    def _refresh_clock(self, required: bool) -> None:
-        if not self._clock.measuring.acquire(blocking=required):
-            return  # another thread is measuring; the last reading serves meanwhile
-        try:
-            if not required and not self._clock.due():
-                return
-            sent = time.monotonic()
-            try:
-                seconds, micros = self._call(
-                    "reading the server clock", lambda _: self.client.time()
-                )
-            except LedgerUnavailable:
-                if required:
-                    raise
-                self._clock.postpone()
-                log.warning("could not refresh the Redis clock; using the last reading",
-                            exc_info=True)  # fmt: skip
-                return
-            self._clock.record(seconds + micros / 1e6, sent, time.monotonic())
-        finally:
-            self._clock.measuring.release()
+    def _read_clock(self) -> float:
+        seconds, micros = self._call("reading the server clock", lambda _: self.client.time())
+        return float(seconds) + micros / 1e6
 
     # -- protocol ----------------------------------------------------------------------
 
@@ -372,26 +349,6 @@ def persistence_problem(config: dict[str, str]) -> str | None:
     )
 
 
-class _ServerClock:
-    """The server's time, as one reading plus the local monotonic time elapsed since."""
-
-    def __init__(self, refresh_s: float) -> None:
-        self.refresh_s = refresh_s
-        self.reading: tuple[float, float] | None = None  # (server epoch s, monotonic then)
-        self._next = 0.0
-        self.measuring = threading.Lock()
-
-    def record(self, server_epoch: float, sent: float, received: float) -> None:
-        self.reading = (server_epoch, (sent + received) / 2)
-        self._next = received + self.refresh_s
-
-    def due(self) -> bool:
-        return time.monotonic() >= self._next
-
-    def postpone(self) -> None:
-        self._next = time.monotonic() + min(self.refresh_s, 5.0)
-
-
 def _text(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode()
@@ -415,7 +372,7 @@ _instances: weakref.WeakSet[RedisCacheBackend] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for backend in list(_instances):
         backend._check_lock = threading.Lock()
-        backend._clock.measuring = threading.Lock()
+        backend._clock.after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

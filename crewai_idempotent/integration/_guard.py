@@ -366,6 +366,17 @@ def _from_body(call: _Call, exc: BaseException) -> OutcomeUncertain | None:
     return error
 
 
+def _failed(call: _Call, exc: Exception, failure: list[BaseException]) -> BaseException:
+    """What a guarded call that did not return raises, with the matching event emitted."""
+    if isinstance(exc, IdempotencyKeyConflict | OperationInProgress):
+        _refused(call, exc)
+        return exc
+    if isinstance(exc, OutcomeUncertain):
+        return _uncertain(call, exc)
+    uncertain = _from_body(call, exc) if failure and exc is failure[0] else None
+    return exc if uncertain is None else _uncertain(call, uncertain)
+
+
 # -- the guard -------------------------------------------------------------------------
 
 
@@ -404,19 +415,11 @@ def call(
             args=prepared.args,
             **prepared.settings.ledger_options(),
         )
-    except (IdempotencyKeyConflict, OperationInProgress) as exc:
-        _refused(prepared, exc)
-        raise
-    except OutcomeUncertain as exc:
-        stop = _uncertain(prepared, exc)
-        if stop is exc:
-            raise
-        raise stop from exc
     except Exception as exc:
-        uncertain = _from_body(prepared, exc) if failure and exc is failure[0] else None
-        if uncertain is None:
+        raised = _failed(prepared, exc, failure)
+        if raised is exc:
             raise
-        raise _uncertain(prepared, uncertain) from exc
+        raise raised from exc
     finally:
         _forget_claim(prepared)
     if outcome.replayed:
@@ -459,19 +462,11 @@ async def acall(
             args=prepared.args,
             **prepared.settings.ledger_options(),
         )
-    except (IdempotencyKeyConflict, OperationInProgress) as exc:
-        _refused(prepared, exc)
-        raise
-    except OutcomeUncertain as exc:
-        stop = _uncertain(prepared, exc)
-        if stop is exc:
-            raise
-        raise stop from exc
     except Exception as exc:
-        uncertain = _from_body(prepared, exc) if failure and exc is failure[0] else None
-        if uncertain is None:
+        raised = _failed(prepared, exc, failure)
+        if raised is exc:
             raise
-        raise _uncertain(prepared, uncertain) from exc
+        raise raised from exc
     finally:
         _forget_claim(prepared)
     if outcome.replayed:
