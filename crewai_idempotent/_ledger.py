@@ -728,13 +728,14 @@ class _LeaseKeeper:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
 
     def add(self, claim: _Claim) -> None:
         claim.due = time.monotonic() + claim.lease_s / 3
         with self._lock:
             self._claims[id(claim)] = claim
-            thread = self._thread
-            if thread is None or not thread.is_alive():  # also after fork(): threads are gone
+            if self._thread is None or self._pid != os.getpid():  # after fork(): no thread
+                self._pid = os.getpid()
                 self._thread = threading.Thread(
                     target=self._loop, name="crewai-idempotent-leases", daemon=True
                 )

@@ -7,7 +7,7 @@ import itertools
 import os
 import secrets
 import socket
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pydantic_core
@@ -113,7 +113,14 @@ class Record:
             if len(history) > HISTORY_LIMIT:
                 history = history[:1] + history[-(HISTORY_LIMIT - 1) :]
             changes["history"] = history
-        return replace(self, **changes)
+        unknown = changes.keys() - _FIELDS
+        if unknown:
+            raise TypeError(f"Record has no field(s) {sorted(unknown)}")
+        # Twice as fast as dataclasses.replace, which matters on the claim/commit path.
+        new = object.__new__(Record)
+        for name in _FIELDS:
+            object.__setattr__(new, name, changes[name] if name in changes else getattr(self, name))
+        return new
 
     def to_json(self) -> str:
         doc = self._doc()
@@ -169,6 +176,9 @@ class Record:
             evidence=tuple(d["evidence"]),
             history=tuple(Event(*e) for e in d["history"]),
         )
+
+
+_FIELDS = tuple(f.name for f in fields(Record))
 
 
 def _printable(value: Any) -> Any:

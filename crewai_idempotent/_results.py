@@ -16,6 +16,12 @@ _PLAIN = (str, int, float, bool, type(None))
 
 def encode(value: Any) -> dict[str, Any]:
     """Encode `value` for the ledger. Never raises: the last resort is its str()."""
+    if type(value) is str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return {"t": "escaped", "v": json.dumps(value, ensure_ascii=True)}
+        return {"t": "json", "v": value}
     payload = _encode(value)
     try:
         pydantic_core.to_json(payload)
