@@ -168,6 +168,8 @@ def test_bad_config_values_are_refused() -> None:
         IdempotencyConfig(wait_s="soon")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="not both"):
         configure(IdempotencyConfig(), wait_s=1)
+    with pytest.raises(ValueError, match="ttl must be greater than 0"):
+        IdempotencyConfig(ttl=0)  # 0 would mean every call runs again, never a replay
 
 
 def test_bad_environment_url_fails_closed(

@@ -429,6 +429,14 @@ def test_committed_receipt_expires_after_its_ttl(ledger: Ledger, provider: Provi
     assert "expire" in [e.kind for e in record.history]
 
 
+def test_a_zero_ttl_is_refused(backend: CacheBackend) -> None:
+    with pytest.raises(ValueError, match="ttl must be more than 0"):
+        Ledger(backend, ttl=0)
+    with pytest.raises(ValueError, match="ttl must be more than 0"):
+        Ledger(backend).run("k", lambda: 1, ttl=0)
+    assert backend.get("k") is None
+
+
 def test_no_ttl_means_the_receipt_never_expires(ledger: Ledger, provider: Provider) -> None:
     ledger.run("forever", provider.body("forever"))
     record = ledger.get("forever")

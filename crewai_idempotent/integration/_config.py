@@ -91,7 +91,7 @@ class IdempotencyConfig:
         _check_key_spec("idempotency_key", self.idempotency_key)
         _check_seconds("wait_s", self.wait_s)
         _check_seconds("lease_s", self.lease_s, positive=True)
-        _check_seconds("ttl", self.ttl)
+        _check_seconds("ttl", self.ttl, positive=True)
         _check_on_stale(self.on_stale)
 
 
@@ -113,7 +113,7 @@ class ToolOptions:
         _check_key_spec("idempotency_key", self.idempotency_key)
         _check_seconds("wait_s", self.wait_s)
         _check_seconds("lease_s", self.lease_s, positive=True)
-        _check_seconds("ttl", self.ttl)
+        _check_seconds("ttl", self.ttl, positive=True)
         if self.reconcile is not None and not callable(self.reconcile):
             raise TypeError("reconcile must be a callable (key, args) -> Found | Absent | Unknown")
         _check_on_stale(self.on_stale)
