@@ -659,6 +659,7 @@ class Ledger:
                 new = held.evolve(
                     event, status=Status.COMMITTED, updated_at=now, lease_expires_at=None,
                     result=encode(result), error=None, needs_operator=False,
+                    expires_at=now + self.ttl if self.ttl else None,  # as a commit would
                 )  # fmt: skip
             if (yield _Call(self.backend.replace, held, new)):
                 self._emit("resolve", new)

@@ -470,6 +470,16 @@ def test_resolve_happened_commits_the_given_receipt(ledger: Ledger, provider: Pr
     assert "seen in dashboard" in last.note
 
 
+def test_resolved_receipt_expires_like_a_committed_one(backend: CacheBackend) -> None:
+    ledger = Ledger(backend, ttl=0.3)
+    with pytest.raises(OutcomeUnknown):
+        ledger.run("r-ttl", lambda: (_ for _ in ()).throw(OutcomeUnknown("timeout")))
+    assert ledger.resolve("r-ttl", result="seen").expires_at is not None
+    assert ledger.run("r-ttl", lambda: "new") == "seen"
+    time.sleep(0.4)
+    assert ledger.run("r-ttl", lambda: "new") == "new"
+
+
 def test_resolve_absent_lets_the_next_attempt_run(ledger: Ledger, provider: Provider) -> None:
     with pytest.raises(OutcomeUnknown):
         ledger.run("r2", lambda: (_ for _ in ()).throw(OutcomeUnknown("timeout")))
