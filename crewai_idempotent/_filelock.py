@@ -138,27 +138,38 @@ class FileLockCacheBackend(CacheBackend):
                 raise LedgerUnavailable(self._explain(exc, final.parent)) from exc
             return None
 
-    def replace(self, current: Record, new: Record) -> bool:
+    @contextlib.contextmanager
+    def _holding(self, current: Record) -> Iterator[Path | None]:
+        """Hold the key's lock; yield its record file if the stored record is still
+        `current` (same token and revision), else None. Failures become LedgerUnavailable."""
         final, lock_path = self._names(current.key)
         try:
             with self._lock(lock_path):
                 held = self._read(final)
-                if held is None or (held.token, held.revision) != (current.token, current.revision):
-                    return False
-                temp = self._write_temp(final, new)
-                try:
-                    os.replace(temp, final)
-                except OSError as exc:
-                    _unlink(temp)
-                    raise LedgerUnavailable(self._explain(exc, final)) from exc
-                self._sync_folder(final.parent)
-                return True
+                same = held is not None and (held.token, held.revision) == (
+                    current.token,
+                    current.revision,
+                )
+                yield final if same else None
         except Timeout as exc:
             raise LedgerUnavailable(
                 f"the lock {lock_path} stayed held past {self.lock_timeout_s} s"
             ) from exc
         except OSError as exc:
-            raise LedgerUnavailable(self._explain(exc, lock_path)) from exc
+            raise LedgerUnavailable(self._explain(exc, final)) from exc
+
+    def replace(self, current: Record, new: Record) -> bool:
+        with self._holding(current) as final:
+            if final is None:
+                return False
+            temp = self._write_temp(final, new)
+            try:
+                os.replace(temp, final)
+            except OSError:
+                _unlink(temp)
+                raise
+            self._sync_folder(final.parent)
+            return True
 
     def get(self, key: str) -> Record | None:
         return self._read(self._names(key)[0])
@@ -173,21 +184,12 @@ class FileLockCacheBackend(CacheBackend):
         return iter(records)
 
     def delete(self, current: Record) -> bool:
-        final, lock_path = self._names(current.key)
-        try:
-            with self._lock(lock_path):
-                held = self._read(final)
-                if held is None or (held.token, held.revision) != (current.token, current.revision):
-                    return False
-                os.unlink(final)
-                self._sync_folder(final.parent)
-                return True
-        except Timeout as exc:
-            raise LedgerUnavailable(
-                f"the lock {lock_path} stayed held past {self.lock_timeout_s} s"
-            ) from exc
-        except OSError as exc:
-            raise LedgerUnavailable(self._explain(exc, final)) from exc
+        with self._holding(current) as final:
+            if final is None:
+                return False
+            os.unlink(final)
+            self._sync_folder(final.parent)
+            return True
 
 
 def _unlink(path: Path) -> None:
