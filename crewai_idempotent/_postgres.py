@@ -23,7 +23,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlunsplit
 
 try:
     import psycopg
@@ -41,6 +41,7 @@ from ._backend import CacheBackend
 from ._clock import ServerClock
 from ._errors import LedgerUnavailable
 from ._record import Record, Status
+from ._url import split_options
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -613,16 +614,5 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
 def from_url(url: str) -> PostgresCacheBackend:
     """`postgresql://user:pass@host:port/db?table=...&max_size=...`; other query
     parameters (sslmode, ...) go to libpq unchanged."""
-    parts = urlsplit(url)
-    options: dict[str, Any] = {}
-    passthrough = []
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if name in _OPTIONS:
-            try:
-                options[name] = _OPTIONS[name](value)
-            except ValueError:
-                raise ValueError(f"{url!r}: bad value for {name}: {value!r}") from None
-        else:
-            passthrough.append((name, value))
-    dsn = urlunsplit(parts._replace(scheme="postgresql", query=urlencode(passthrough)))
-    return PostgresCacheBackend(dsn, **options)
+    parts, options = split_options(url, _OPTIONS)
+    return PostgresCacheBackend(urlunsplit(parts._replace(scheme="postgresql")), **options)

@@ -25,7 +25,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlunsplit
 
 try:
     import redis
@@ -41,6 +41,7 @@ from ._backend import CacheBackend
 from ._clock import ServerClock
 from ._errors import LedgerUnavailable
 from ._record import Record, Status
+from ._url import split_options
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -390,15 +391,5 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
 def from_url(url: str) -> RedisCacheBackend:
     """`redis://[:password@]host:port/db?prefix=...`, `rediss://` for TLS; other query
     parameters go to redis-py unchanged."""
-    parts = urlsplit(url)
-    options: dict[str, Any] = {}
-    passthrough = []
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if name in _OPTIONS:
-            try:
-                options[name] = _OPTIONS[name](value)
-            except ValueError:
-                raise ValueError(f"{url!r}: bad value for {name}: {value!r}") from None
-        else:
-            passthrough.append((name, value))
-    return RedisCacheBackend(urlunsplit(parts._replace(query=urlencode(passthrough))), **options)
+    parts, options = split_options(url, _OPTIONS)
+    return RedisCacheBackend(urlunsplit(parts), **options)

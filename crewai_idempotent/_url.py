@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit
+from typing import Any
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit
 
 from ._backend import CacheBackend
 
@@ -50,6 +51,25 @@ def _local_path(url: str) -> Path:
     if not path or path == "/":
         raise ValueError(f"{url!r} names no path")
     return Path(path)
+
+
+def split_options(
+    url: str, known: Mapping[str, Callable[[str], Any]]
+) -> tuple[SplitResult, dict[str, Any]]:
+    """Take the query parameters named in `known` (converted) out of `url`; the rest stay
+    in the returned URL for the client library (sslmode, ssl_cert_reqs, ...)."""
+    parts = urlsplit(url)
+    options: dict[str, Any] = {}
+    passthrough = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in known:
+            try:
+                options[name] = known[name](value)
+            except ValueError:
+                raise ValueError(f"{url!r}: bad value for {name}: {value!r}") from None
+        else:
+            passthrough.append((name, value))
+    return parts._replace(query=urlencode(passthrough)), options
 
 
 def _lazy(module: str, factory: str) -> Callable[[str], CacheBackend]:
