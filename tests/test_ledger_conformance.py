@@ -372,37 +372,49 @@ def test_backend_compare_and_set_refuses_a_stale_token_or_revision(backend: Cach
     assert backend.get("cas") is None
 
 
+class FrozenOwner:
+    """A worker that claimed `key` and then, mid-body, stopped renewing its lease (as if
+    frozen) until `finish()`; the lease has lapsed when the constructor returns."""
+
+    def __init__(self, backend: CacheBackend, key: str, effects: list[str], effect: str) -> None:
+        ledger = Ledger(backend, lease_s=0.3)
+        ledger._keeper._renew = lambda claim: None  # type: ignore[method-assign]
+        self.inside, self.release = threading.Event(), threading.Event()
+        self.returned: list[Any] = []
+        self.errors: list[BaseException] = []
+
+        def body() -> str:
+            self.inside.set()
+            self.release.wait(5)
+            effects.append(effect)
+            return f"{effect}-receipt"
+
+        def run() -> None:
+            try:
+                self.returned.append(ledger.run(key, body))
+            except BaseException as exc:  # noqa: BLE001
+                self.errors.append(exc)
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+        assert self.inside.wait(5)
+        time.sleep(0.4)  # past the lease: nobody renewed it
+
+    def finish(self) -> None:
+        self.release.set()
+        self.thread.join(5)
+
+
 def test_worker_whose_claim_was_taken_over_cannot_commit(backend: CacheBackend) -> None:
     effects: list[str] = []
-    paused = Ledger(backend, lease_s=0.3)
-    paused._keeper._renew = lambda claim: None  # type: ignore[method-assign]  # owner "frozen"
-    inside, release = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def slow_body() -> str:
-        inside.set()
-        release.wait(5)
-        effects.append("first")
-        return "first-receipt"
-
-    def first() -> None:
-        try:
-            paused.run("fenced", slow_body)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    worker = threading.Thread(target=first)
-    worker.start()
-    assert inside.wait(5)
-    time.sleep(0.4)  # past the lease: nobody renewed it
+    owner = FrozenOwner(backend, "fenced", effects, "first")
     second = Ledger(backend).run(
         "fenced", lambda: effects.append("second") or "second-receipt", on_stale="retry"
     )
     assert second == "second-receipt"
-    release.set()
-    worker.join(5)
+    owner.finish()
     assert effects == ["second", "first"]
-    assert len(errors) == 1 and isinstance(errors[0], OutcomeUncertain)
+    assert len(owner.errors) == 1 and isinstance(owner.errors[0], OutcomeUncertain)
     record = backend.get("fenced")
     assert record is not None
     assert record.status is Status.UNCERTAIN and record.needs_operator
@@ -670,31 +682,16 @@ def test_closing_and_reopening_keeps_every_state(
 def test_owner_that_outlived_its_lease_settles_an_uncertain_record(backend: CacheBackend) -> None:
     """Nobody took the claim over, so only one execution happened: the owner's receipt wins."""
     effects: list[str] = []
-    paused = Ledger(backend, lease_s=0.3)
-    paused._keeper._renew = lambda claim: None  # type: ignore[method-assign]  # owner "frozen"
-    inside, release = threading.Event(), threading.Event()
-    returned: list[Any] = []
-
-    def slow_body() -> str:
-        inside.set()
-        release.wait(5)
-        effects.append("charged")
-        return "the-receipt"
-
-    worker = threading.Thread(target=lambda: returned.append(paused.run("late", slow_body)))
-    worker.start()
-    assert inside.wait(5)
-    time.sleep(0.4)
+    owner = FrozenOwner(backend, "late", effects, "charged")
     with pytest.raises(OutcomeUncertain):
         Ledger(backend).run("late", lambda: effects.append("again") or "x")
-    release.set()
-    worker.join(5)
-    assert returned == ["the-receipt"]
+    owner.finish()
+    assert owner.returned == ["charged-receipt"]
     record = backend.get("late")
     assert record is not None
     assert (record.status, record.token, record.needs_operator) == (Status.COMMITTED, 1, False)
     assert record.history[-1].note.startswith("late commit")
-    assert Ledger(backend).run("late", lambda: effects.append("again") or "x") == "the-receipt"
+    assert Ledger(backend).run("late", lambda: effects.append("again") or "x") == "charged-receipt"
     assert effects == ["charged"]
 
 

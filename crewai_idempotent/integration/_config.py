@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from .._backend import CacheBackend
-from .._ledger import Ledger
+from .._ledger import Ledger, StalePolicy
 from .._url import backend_from_url
 
 if TYPE_CHECKING:
@@ -28,12 +28,11 @@ URL_ENV = "CREWAI_IDEMPOTENCY_URL"
 DEFAULT_LEDGER_NAME = "crewai_idempotent.db"
 
 OnUncertain = Literal["raise", "report"]
-StalePolicy = Literal["uncertain", "reconcile", "retry"]
 KeySpec = str | Callable[[dict[str, Any], Any], str]
 Reconciler = Callable[[str, Any], "Verdict | Any"]
 
 _ON_UNCERTAIN = ("raise", "report")
-_ON_STALE = ("uncertain", "reconcile", "retry")
+_ON_STALE = get_args(StalePolicy)
 
 
 def _check_seconds(name: str, value: Any, *, positive: bool = False) -> None:
