@@ -1,0 +1,79 @@
+"""What every open handle must do around fork(), so that a child never uses its parent's.
+
+Celery's prefork pool, `gunicorn --preload` and multiprocessing's `fork` start method all
+fork a process that may already have used a ledger. Whatever the parent held (SQLite
+connections and SQLite's per-process lock bookkeeping, the lease keeper's table of
+claims, server connections, file locks) must not be used, renewed or closed by the
+child. Objects that hold such handles register here and get three calls, in the order
+`os.register_at_fork` gives: `before_fork` in the parent (quiesce: finish or block
+in-flight work, drop what cannot cross), then `after_fork_in_parent` (resume) or
+`after_fork_in_child` (forget everything inherited, without closing it: closing a shared
+socket or SQLite handle in the child would break the parent).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Protocol
+
+
+class ForkAware(Protocol):
+    def before_fork(self) -> None: ...
+
+    def after_fork_in_parent(self) -> None: ...
+
+    def after_fork_in_child(self) -> None: ...
+
+
+_objects: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+_objects_lock = threading.Lock()
+# The objects quiesced by the current fork, held strongly until the fork is over so that
+# the same set that was paused is resumed.
+_in_fork: list[ForkAware] = []
+
+
+def register(obj: ForkAware) -> None:
+    """Call `obj`'s fork hooks on every later fork() of this process."""
+    with _objects_lock:
+        _objects.add(obj)
+
+
+def unregister(obj: ForkAware) -> None:
+    with _objects_lock:
+        _objects.discard(obj)
+
+
+def _before() -> None:
+    # The lock stays held across fork() so that no registration races the snapshot;
+    # both sides release it afterwards.
+    _objects_lock.acquire()
+    _in_fork[:] = list(_objects)
+    for obj in _in_fork:
+        obj.before_fork()
+
+
+def _after_in_parent() -> None:
+    try:
+        for obj in reversed(_in_fork):
+            obj.after_fork_in_parent()
+    finally:
+        _in_fork.clear()
+        _objects_lock.release()
+
+
+def _after_in_child() -> None:
+    # The forking thread is the child's only thread, and a Lock has no owner: releasing
+    # the lock taken in `_before` is safe here too.
+    try:
+        for obj in reversed(_in_fork):
+            obj.after_fork_in_child()
+    finally:
+        _in_fork.clear()
+        _objects_lock.release()
+
+
+os.register_at_fork(
+    before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child
+)
