@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._errors import IdempotencyKeyConflict, OperationInProgress, OutcomeUncertain
-from .._keys import fingerprint, validate_key
+from .._keys import validate_key
 from .._ledger import Ledger, Outcome, classify_failure
 from .._record import Record, Status
 from ._config import IdempotencyConfig, Settings, ToolOptions, resolve
@@ -230,7 +230,7 @@ def _prepare(
     except TypeError as exc:
         raise TypeError(f"tool {name!r}: {exc}; nothing was run") from exc
     try:
-        digest = fingerprint({"tool": name, "args": arguments})
+        digest = options.args_fingerprint(name, arguments)
     except TypeError as exc:
         raise TypeError(
             f"tool {name!r}: cannot fingerprint its arguments ({exc}); nothing was run"
