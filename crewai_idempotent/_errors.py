@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._record import Record
 
 
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls, *args)
+    BaseException.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
 class IdempotencyError(Exception):
-    """Base class of every error the guard raises."""
+    """Base class of every error the guard raises.
+
+    Picklable whatever a subclass's constructor takes (Celery and multiprocessing pickle
+    exceptions): unpickling restores the message and the attributes without calling
+    `__init__` again.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class InvalidIdempotencyKey(IdempotencyError, ValueError):
@@ -52,9 +67,9 @@ class OutcomeUncertain(IdempotencyError):
         self.record = record
         self.reason = reason
         super().__init__(
-            f"outcome of idempotency key {key!r} is uncertain: {reason}. Nothing was run; "
-            f"reconcile it with the provider, then `crewai-idempotent resolve {key!r} "
-            "--happened/--absent`"
+            f"outcome of idempotency key {key!r} is uncertain: {reason}. Nothing runs under "
+            "this key until it is settled: reconcile it with the provider, then "
+            f"`crewai-idempotent resolve {key!r} --happened/--absent`"
         )
 
 
@@ -68,6 +83,13 @@ class LedgerUnavailable(IdempotencyError):
 
 class ResolutionRefused(IdempotencyError):
     """Only an uncertain record, or a pending one whose lease expired, can be resolved."""
+
+
+class LedgerConfigurationError(IdempotencyError, ValueError):
+    """A ledger setting cannot be used: a malformed URL, an unknown scheme or option, a path
+    that cannot hold a ledger. Raised where the setting is given, or, for
+    CREWAI_IDEMPOTENCY_URL, it stops the kickoff at the first guarded call; never handed to
+    the agent as a tool error. Nothing was run."""
 
 
 class OutcomeUnknown(Exception):
