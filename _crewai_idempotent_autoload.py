@@ -15,9 +15,11 @@ wrapt's `register_post_import_hook` does the same job, but importing wrapt pulls
 asyncio, inspect and importlib.metadata (100+ ms measured here), far over the start-up
 budget; this module imports only `os` and `sys`, which the interpreter has already loaded.
 
-`CREWAI_IDEMPOTENT_AUTOLOAD=0` (or false/no/off) switches both automatic activations
-off: this start-up hook and the one `import crewai_idempotent` registers. An explicit
-`crewai_idempotent.install()` always works.
+`CREWAI_IDEMPOTENT_AUTOLOAD=0` (or false/no/off) switches this start-up hook off, and
+only it: `import crewai_idempotent` and `crewai_idempotent.install()` still activate the
+integration. While it is off the hook still waits for crewai, but only to make
+`@tool(..., idempotent=True)` fail with an explanation instead of crewai's bare
+"unexpected keyword argument" (nothing else of crewai is touched).
 """
 
 import os
@@ -28,6 +30,18 @@ import sys
 
 TARGET = "crewai"
 _MARK = "_crewai_idempotent_hook"
+_HINT = "_crewai_idempotent_hint"
+# The integration's tool options (integration._config.ToolOptions; a test keeps them equal).
+OPTION_NAMES = (
+    "idempotent",
+    "idempotency_key",
+    "wait_s",
+    "lease_s",
+    "ttl",
+    "reconcile",
+    "on_stale",
+    "fingerprint",
+)
 
 
 def autoload_enabled() -> bool:
@@ -41,13 +55,45 @@ def _activate() -> None:
     install()
 
 
+def _explain_inactive() -> None:
+    """Make crewai's `@tool` say why it refuses the idempotency options while the
+    integration is switched off (install() later wraps this one and takes them first)."""
+    from typing import Any
+
+    import crewai.tools as tools_module
+    import crewai.tools.base_tool as base_tool_module
+
+    original: Any = base_tool_module.tool
+    if getattr(original, _HINT, False) or "crewai_idempotent" in sys.modules:
+        return
+
+    def tool(*args: object, **kwargs: object) -> object:
+        given = sorted(k for k in kwargs if k in OPTION_NAMES)
+        if given:  # once installed, the integration's decorator takes them before this
+            raise TypeError(
+                f"@tool() got the crewai-idempotent option(s) {', '.join(given)}, but the "
+                "integration is not active: CREWAI_IDEMPOTENT_AUTOLOAD switched its start-up "
+                "hook off. Add `import crewai_idempotent` before defining the tool (or call "
+                "crewai_idempotent.install())"
+            )
+        return original(*args, **kwargs)
+
+    tool.__doc__ = original.__doc__
+    tool.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(tool, _HINT, True)
+    if tools_module.tool is original:
+        setattr(tools_module, "tool", tool)  # noqa: B010 - crewai's overloads do not fit
+    setattr(base_tool_module, "tool", tool)  # noqa: B010
+
+
 class CrewAIImportHook:
     """A meta-path finder that calls `_activate` right after `crewai` has executed."""
 
     _crewai_idempotent_hook = True
 
-    def __init__(self) -> None:
+    def __init__(self, explain_only: bool = False) -> None:
         self._searching = False
+        self.explain_only = explain_only
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
         if fullname != TARGET or self._searching:
@@ -62,14 +108,19 @@ class CrewAIImportHook:
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader = spec.loader
-        run_module = loader.exec_module
+        run_module = getattr(loader, "exec_module")  # noqa: B009 - untyped on purpose
+
+        explain_only = self.explain_only
 
         def exec_module(module: object) -> None:
             run_module(module)
             # crewai has executed in full: install() may import any part of it now. If it
             # refuses (an unsupported crewai version), `import crewai` fails with its error.
             remove_import_hook()
-            _activate()
+            if explain_only:
+                _explain_inactive()
+            else:
+                _activate()
 
         # A per-instance override: the loader keeps its class, so resource readers and
         # `isinstance` checks on `crewai.__loader__` behave as before.
@@ -77,19 +128,24 @@ class CrewAIImportHook:
         return spec
 
 
-def install_import_hook() -> bool:
-    """Activate now if crewai is loaded, else when it is. False if switched off."""
-    if not autoload_enabled():
-        return False
+def install_import_hook(force: bool = False) -> bool:
+    """Activate now if crewai is loaded, else when it is. False if switched off (then the
+    hook only explains, see the module docstring); `force` ignores the switch."""
+    enabled = force or autoload_enabled()
     module = sys.modules.get(TARGET)
     if module is not None and not getattr(
         getattr(module, "__spec__", None), "_initializing", False
     ):
-        _activate()
-        return True
-    if not any(getattr(finder, _MARK, False) for finder in sys.meta_path):
-        sys.meta_path.insert(0, CrewAIImportHook())  # type: ignore[arg-type]
-    return True
+        if enabled:
+            _activate()
+        return enabled
+    hooks = [finder for finder in sys.meta_path if getattr(finder, _MARK, False)]
+    if enabled and any(getattr(finder, "explain_only", False) for finder in hooks):
+        remove_import_hook()
+        hooks = []
+    if not hooks:
+        sys.meta_path.insert(0, CrewAIImportHook(explain_only=not enabled))  # type: ignore[arg-type]
+    return enabled
 
 
 def remove_import_hook() -> None:

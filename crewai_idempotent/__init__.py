@@ -1,40 +1,56 @@
-"""Make side-effecting CrewAI tools safe to retry: claim durably, run once, replay after."""
+"""Make side-effecting CrewAI tools safe to retry: claim durably, run once, replay after.
+
+Importing this package activates the crewai integration (now if crewai is imported, else
+when it is), whatever CREWAI_IDEMPOTENT_AUTOLOAD says: that variable switches off only the
+automatic start-up hook. Backends and their libraries load when first used.
+"""
 
 from typing import TYPE_CHECKING, Any
 
 from ._backend import CacheBackend
 from ._errors import (
+    GuardInactive,
     IdempotencyError,
     IdempotencyKeyConflict,
     InvalidIdempotencyKey,
+    LedgerConfigurationError,
     LedgerUnavailable,
     OperationInProgress,
     OutcomeUncertain,
     OutcomeUnknown,
     ResolutionRefused,
 )
-from ._filelock import FileLockCacheBackend
 from ._keys import fingerprint, validate_key
 from ._ledger import Ledger, Outcome
-from ._memory import InMemoryCacheBackend
 from ._reconcile import Absent, Found, Unknown
 from ._record import Event, Owner, Record, Status
-from ._sqlite import SQLiteCacheBackend
-from ._url import backend_from_url
 
 # The crewai integration imports crewai only once crewai itself is imported.
 from .integration import IdempotencyConfig, KeyContext, configure, idempotent, install, uninstall
 from .integration import activate as _activate
 
 if TYPE_CHECKING:
+    from ._filelock import FileLockCacheBackend
+    from ._memory import InMemoryCacheBackend
     from ._postgres import PostgresCacheBackend
     from ._redis import RedisCacheBackend, RedisDurabilityWarning
+    from ._sqlite import SQLiteCacheBackend
+    from ._url import backend_from_url
+    from .integration._strict import IdempotentTool, idempotent_tool
 
-# Server backends load their client library (psycopg, redis-py: optional extras) on use.
+# Loaded on first use, so that `import crewai` with the integration active pays for none of
+# them: backends (and filelock, sqlite3, psycopg, redis-py), and the strict tool forms
+# (which import crewai).
 _LAZY = {
+    "FileLockCacheBackend": "._filelock",
+    "InMemoryCacheBackend": "._memory",
+    "SQLiteCacheBackend": "._sqlite",
+    "backend_from_url": "._url",
     "PostgresCacheBackend": "._postgres",
     "RedisCacheBackend": "._redis",
     "RedisDurabilityWarning": "._redis",
+    "IdempotentTool": ".integration._strict",
+    "idempotent_tool": ".integration._strict",
 }
 
 
@@ -42,7 +58,9 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -52,13 +70,16 @@ __all__ = [
     "Event",
     "FileLockCacheBackend",
     "Found",
+    "GuardInactive",
     "IdempotencyConfig",
     "IdempotencyError",
     "IdempotencyKeyConflict",
+    "IdempotentTool",
     "InMemoryCacheBackend",
     "InvalidIdempotencyKey",
     "KeyContext",
     "Ledger",
+    "LedgerConfigurationError",
     "LedgerUnavailable",
     "OperationInProgress",
     "Outcome",
@@ -77,6 +98,7 @@ __all__ = [
     "configure",
     "fingerprint",
     "idempotent",
+    "idempotent_tool",
     "install",
     "uninstall",
     "validate_key",

@@ -81,6 +81,28 @@ class LedgerUnavailable(IdempotencyError):
         super().__init__(message)
 
 
+class BodyFailed(IdempotencyError):
+    """The guarded body raised (its exception is `__cause__`); nothing more will run.
+
+    `status` is how the ledger recorded it: FAILED (the next attempt runs) or UNCERTAIN;
+    `record` is the stored record, or None if it could not be stored or was taken over.
+    Raised in place of the body's own exception only by `Ledger.execute(...,
+    wrap_errors=True)`, for callers that act on the recorded outcome without a read.
+    """
+
+    def __init__(self, key: str, status: str, reason: str, record: Record | None) -> None:
+        self.key = key
+        self.status = status
+        self.reason = reason
+        self.record = record
+        super().__init__(key, status, reason, record)
+
+    def __str__(self) -> str:
+        return f"the body of idempotency key {self.key!r} raised; recorded {self.status}: " + (
+            self.reason
+        )
+
+
 class ResolutionRefused(IdempotencyError):
     """Only an uncertain record, or a pending one whose lease expired, can be resolved."""
 
@@ -90,6 +112,11 @@ class LedgerConfigurationError(IdempotencyError, ValueError):
     that cannot hold a ledger. Raised where the setting is given, or, for
     CREWAI_IDEMPOTENCY_URL, it stops the kickoff at the first guarded call; never handed to
     the agent as a tool error. Nothing was run."""
+
+
+class GuardInactive(IdempotencyError, RuntimeError):
+    """A tool that must only run guarded (`IdempotentTool`, `@idempotent_tool`) was called
+    while the crewai integration is not installed; nothing was run."""
 
 
 class OutcomeUnknown(Exception):

@@ -45,42 +45,75 @@ def validate_key(key: object) -> str:
 
 
 _SAFE_INT = 2**53 - 1
+# Values JSON cannot carry become {TYPE_TAG: tag, "v": ...}. A NUL in the key keeps the tag
+# apart from any dict a caller passes (one that has this key is itself tagged as a map),
+# and every plain JSON value keeps the canonical form (and fingerprint) it always had.
+TYPE_TAG = "\x00type"
+FINGERPRINT_METHOD = "__idempotency_fingerprint__"
+
+
+def _tagged(tag: str, value: Any, **extra: Any) -> dict[str, Any]:
+    return {TYPE_TAG: tag, **extra, "v": value}
 
 
 def _canonical(value: Any) -> Any:
-    """Reduce `value` to JSON types so that RFC 8785 can serialise it canonically."""
+    """Reduce `value` to JSON types so that RFC 8785 can serialise it canonically; values of
+    different types never share a form (2**60 is not "1152921504606846976")."""
     if value is None or isinstance(value, bool | str):
         return value
-    if isinstance(value, int):
-        # JCS numbers are IEEE doubles; larger integers are kept exact as strings.
-        return value if -_SAFE_INT <= value <= _SAFE_INT else str(value)
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if isinstance(value, dt.datetime | dt.date | dt.time):
-        return value.isoformat()
-    if isinstance(value, dt.timedelta):
-        return value.total_seconds()
-    if isinstance(value, enum.Enum):
+    method = getattr(type(value), FINGERPRINT_METHOD, None)
+    if method is not None:
+        cls = type(value)
+        return _tagged(
+            "custom", _canonical(method(value)), cls=f"{cls.__module__}.{cls.__qualname__}"
+        )
+    if isinstance(value, enum.Enum):  # as its value: a schema-validated argument is the member
         return _canonical(value.value)
-    if isinstance(value, uuid.UUID | PurePath):
-        return str(value)
+    if isinstance(value, int):
+        # JCS numbers are IEEE doubles; larger integers are kept exact as tagged text.
+        return value if -_SAFE_INT <= value <= _SAFE_INT else _tagged("int", str(value))
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _tagged("float", repr(value))
+    if isinstance(value, decimal.Decimal):
+        return _tagged("decimal", str(value))
+    if isinstance(value, dt.datetime):
+        return _tagged("datetime", value.isoformat())
+    if isinstance(value, dt.date):
+        return _tagged("date", value.isoformat())
+    if isinstance(value, dt.time):
+        return _tagged("time", value.isoformat())
+    if isinstance(value, dt.timedelta):
+        return _tagged("timedelta", [value.days, value.seconds, value.microseconds])
+    if isinstance(value, uuid.UUID):
+        return _tagged("uuid", str(value))
+    if isinstance(value, PurePath):
+        return _tagged("path", str(value))
     if isinstance(value, bytes | bytearray | memoryview):
-        return base64.b64encode(bytes(value)).decode("ascii")
+        return _tagged("bytes", base64.b64encode(bytes(value)).decode("ascii"))
     if isinstance(value, Mapping):
-        return {str(k): _canonical(v) for k, v in value.items()}
+        if all(type(k) is str and k != TYPE_TAG for k in value):
+            return {k: _canonical(v) for k, v in value.items()}
+        pairs = [[_canonical(k), _canonical(v)] for k, v in value.items()]
+        return _tagged("map", sorted(pairs, key=rfc8785.dumps))
     if isinstance(value, set | frozenset):
         items = [_canonical(v) for v in value]
-        return sorted(items, key=rfc8785.dumps)
-    if isinstance(value, list | tuple):
+        return _tagged("set", sorted(items, key=rfc8785.dumps))
+    if isinstance(value, list | tuple):  # a tuple is a list: schemas turn one into the other
         return [_canonical(v) for v in value]
     model_dump = getattr(value, "model_dump", None)
-    if callable(model_dump):  # pydantic v2 model
-        return _canonical(model_dump(mode="json"))
+    if callable(model_dump):  # pydantic v2 model: its fields keep their types
+        try:
+            return _canonical(model_dump())
+        except TypeError:
+            return _canonical(model_dump(mode="json"))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _canonical(dataclasses.asdict(value))
-    raise TypeError(f"cannot fingerprint a value of type {type(value).__name__}: {value!r}")
+    name = type(value).__name__
+    raise TypeError(
+        f"cannot fingerprint a value of type {name}: {value!r}. Give the tool a "
+        f"fingerprint= callable (its arguments -> JSON-able data), or define "
+        f"{name}.{FINGERPRINT_METHOD}(self) returning JSON-able data"
+    )
 
 
 def canonical_json(value: Any) -> bytes:

@@ -50,11 +50,11 @@ def backend_factory(
         return BackendFactory("memory://", lambda: shared)
     if kind == "sqlite":
         path = tmp_path / "ledger.db"
-        return BackendFactory(f"sqlite://{path}", lambda: SQLiteCacheBackend(path))
+        return BackendFactory(f"sqlite:///{path}", lambda: SQLiteCacheBackend(path))
     if kind == "sqlite-normal":
         path = tmp_path / "ledger.db"
         return BackendFactory(
-            f"sqlite://{path}?synchronous=NORMAL",
+            f"sqlite:///{path}?synchronous=NORMAL",
             lambda: SQLiteCacheBackend(path, synchronous="NORMAL"),
         )
     if kind == "filelock":

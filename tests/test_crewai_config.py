@@ -3,6 +3,7 @@ embedded default, and no setting a user gives is silently ignored."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ from crewai_idempotent import (
     FileLockCacheBackend,
     IdempotencyConfig,
     InMemoryCacheBackend,
+    LedgerConfigurationError,
+    LedgerUnavailable,
     SQLiteCacheBackend,
     Status,
     configure,
@@ -172,18 +175,161 @@ def test_bad_config_values_are_refused() -> None:
         IdempotencyConfig(ttl=0)  # 0 would mean every call runs again, never a replay
 
 
-def test_bad_environment_url_fails_closed(
+def test_bad_environment_url_is_refused_at_crew_and_stops_the_kickoff(
     native: bool, charges: FakeProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CREWAI_IDEMPOTENCY_URL", "mysql://nowhere/ledger")
     charge = charge_tool(charges, idempotent=True)
-    with pytest.raises(ValueError, match="CREWAI_IDEMPOTENCY_URL='mysql://nowhere/ledger'"):
+    with pytest.raises(
+        LedgerConfigurationError, match="CREWAI_IDEMPOTENCY_URL='mysql://nowhere/ledger'"
+    ):
         charge.run(**ALICE)
     llm = scripted(native, [("charge_card", ALICE)])
+    with pytest.raises(LedgerConfigurationError, match="unknown ledger URL scheme 'mysql'"):
+        payment_crew([charge], llm)  # where the crew is built
+
+    # Set after the crew was built: the first guarded call stops the kickoff with the
+    # error; the model never reads it as a tool observation.
+    monkeypatch.delenv("CREWAI_IDEMPOTENCY_URL")
     crew, _ = payment_crew([charge], llm)
-    crew.kickoff()
-    assert charges.count() == 0  # the tool error reached the model; nothing was charged
-    assert any("unknown ledger URL scheme" in p for p in llm.prompts)
+    monkeypatch.setenv("CREWAI_IDEMPOTENCY_URL", "sqlite:///ledger.db?synchronus=NORMAL")
+    with pytest.raises(LedgerConfigurationError, match="unknown option 'synchronus'"):
+        crew.kickoff()
+    assert charges.count() == 0
+    assert not any("synchronus" in p for p in llm.prompts)
+
+
+@pytest.mark.parametrize(
+    ("backend", "error"),
+    [
+        ("./ledger.db", "no URL scheme.*sqlite:///./ledger.db"),
+        ("bogus://x", "unknown ledger URL scheme 'bogus'"),
+        ("sqlite:///ledger.db?synchronus=NORMAL", "unknown option 'synchronus'"),
+        ("file://ledger", "read as a host name"),
+        ("memory://?fsync=no", "unknown option 'fsync'"),
+    ],
+)
+def test_bad_ledger_settings_raise_where_they_are_given(
+    backend: str, error: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, charges: FakeProvider
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LedgerConfigurationError, match=error):
+        IdempotencyConfig(backend=backend)
+    with pytest.raises(LedgerConfigurationError, match=error):
+        configure(backend=backend)
+    with pytest.raises(LedgerConfigurationError, match=error):
+        payment_crew([charge_tool(charges, idempotent=True)], scripted(True), cache_backend=backend)
+    assert list(tmp_path.iterdir()) == []  # nothing was created on the way
+
+
+def test_unusable_ledger_path_raises_at_configuration(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # any local user could swap the ledger
+    with pytest.raises(LedgerUnavailable, match="writable by group or others"):
+        IdempotencyConfig(backend=f"sqlite:///{shared / 'ledger.db'}")
+
+
+def test_a_bad_default_ledger_stops_the_kickoff(
+    charges: FakeProvider, isolated_crewai: Path
+) -> None:
+    folder = default_ledger_path().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o777)
+    charge = charge_tool(charges, idempotent=True)
+    llm = scripted(True, [("charge_card", ALICE)])
+    crew, _ = payment_crew([charge], llm)
+    with pytest.raises(LedgerConfigurationError, match="the default ledger cannot be used"):
+        crew.kickoff()
+    assert charges.count() == 0
+
+
+def test_the_ledger_in_use_is_logged_once(
+    charges: FakeProvider, isolated_crewai: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    charge = charge_tool(charges, idempotent=True)
+    with caplog.at_level(logging.INFO, logger="crewai_idempotent"):
+        charge.run(**ALICE)
+        charge.run(**{**ALICE, "invoice": "inv-2"})
+    said = [r.getMessage() for r in caplog.records if "guarded tool calls use" in r.getMessage()]
+    assert len(said) == 1
+    assert str(default_ledger_path()) in said[0] and "named after the current directory" in said[0]
+
+
+def test_fingerprint_option_on_every_form(charges: FakeProvider) -> None:
+    from crewai.tools import BaseTool, tool
+
+    from crewai_idempotent import idempotent
+
+    class Money:  # a custom argument type the canonical form does not know
+        def __init__(self, cents: int) -> None:
+            self.cents = cents
+
+    def by_cents(args: dict[str, Any]) -> Any:
+        return {"cents": args["amount"].cents, "to": args["to"]}
+
+    backend = InMemoryCacheBackend()
+    configure(backend=backend)
+
+    @tool("pay_money", fingerprint=by_cents)
+    def pay_money(amount: Money, to: str) -> str:
+        """Pay."""
+        return charges.charge(amount.cents, to)
+
+    class PayMoney(BaseTool):
+        name: str = "pay_class"
+        description: str = "Pay."
+        idempotent: bool = True
+        fingerprint: Any = by_cents
+
+        def _run(self, amount: Money, to: str) -> str:
+            return charges.charge(amount.cents, to)
+
+    @tool("pay_plain")
+    def pay_plain(amount: Money, to: str) -> str:
+        """Pay."""
+        return charges.charge(amount.cents, to)
+
+    copied = idempotent(pay_plain, fingerprint=by_cents)
+    for guarded in (pay_money, PayMoney(), copied):
+        first = (
+            guarded.func(Money(5), "bob")
+            if hasattr(guarded, "func")
+            else guarded._run(Money(5), "bob")
+        )
+        again = (
+            guarded.func(Money(5), "bob")
+            if hasattr(guarded, "func")
+            else guarded._run(Money(5), "bob")
+        )
+        assert first == again
+    assert charges.count() == 3  # once per tool, each replayed
+
+    with pytest.raises(TypeError, match=r"fingerprint= callable.*__idempotency_fingerprint__"):
+        idempotent(pay_plain).func(Money(5), "bob")
+    assert charges.count() == 3
+
+
+def test_a_type_can_say_how_it_fingerprints(charges: FakeProvider) -> None:
+    from crewai.tools import tool
+
+    class Money:
+        def __init__(self, cents: int) -> None:
+            self.cents = cents
+
+        def __idempotency_fingerprint__(self) -> Any:
+            return self.cents
+
+    configure(backend=InMemoryCacheBackend())
+
+    @tool("pay_money", idempotent=True)
+    def pay_money(amount: Money) -> str:
+        """Pay."""
+        return charges.charge(amount.cents, "bob")
+
+    assert pay_money.func(Money(5)) == pay_money.func(Money(5))
+    pay_money.func(Money(6))
+    assert charges.count() == 2
 
 
 def test_on_uncertain_report_from_configure(charges: FakeProvider) -> None:

@@ -160,7 +160,7 @@ def test_switched_off_and_uninstall_restores_crewai_exactly() -> None:
     assert report == {
         "loaded_by_crewai": False,  # CREWAI_IDEMPOTENT_AUTOLOAD=0: crewai imported alone
         "tool_kwarg": "refused",  # crewai's own @tool, untouched
-        "installed_by_import": False,  # the switch covers `import crewai_idempotent` too
+        "installed_by_import": True,  # an explicit import activates; the switch is start-up only
         "installed": True,
         "installed_after": False,
         "restored": True,

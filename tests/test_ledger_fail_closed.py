@@ -167,7 +167,7 @@ def test_symlinked_ledger_path_is_refused(tmp_path: Path, counter: Counter) -> N
     with pytest.raises(LedgerUnavailable, match="symlink"):
         SQLiteCacheBackend(link)
     with pytest.raises(LedgerUnavailable, match="symlink"):
-        backend_from_url(f"sqlite://{link}")
+        backend_from_url(f"sqlite:///{link}")
     folder_link = tmp_path / "ledger-dir"
     (tmp_path / "real-dir").mkdir(mode=0o700)
     folder_link.symlink_to(tmp_path / "real-dir")

@@ -29,19 +29,19 @@ __all__ = [
 ]
 
 
-def activate() -> bool:
-    """Install now if crewai is imported, else as soon as it is; False when
-    `CREWAI_IDEMPOTENT_AUTOLOAD=0` switched automatic activation off."""
+def activate() -> None:
+    """Install now if crewai is imported, else as soon as it is (what `import
+    crewai_idempotent` does; CREWAI_IDEMPOTENT_AUTOLOAD does not switch it off)."""
     from .._autoload import install_import_hook
 
-    return install_import_hook()
+    install_import_hook(force=True)
 
 
 def idempotent(tool: BaseTool, key: Any = None, **options: Any) -> BaseTool:
     """A guarded copy of a tool someone else wrote: `idempotent(tool, key="charge:{id}")`.
 
     Options: `key` (or `idempotency_key`), `wait_s`, `lease_s`, `ttl`, `reconcile`,
-    `on_stale`, as for `@tool(..., idempotent=True)`.
+    `on_stale`, `fingerprint`, as for `@tool(..., idempotent=True)`.
     """
     from ._tools import idempotent as _idempotent
 

@@ -4,25 +4,36 @@ Each option is taken from the first place that sets it: the tool, then the crew
 (`Crew(idempotency=...)` / `Crew(cache_backend=...)`), then `configure()`, then (for the
 backend) `CREWAI_IDEMPOTENCY_URL`, then the embedded default, a SQLite ledger in
 crewai's storage folder. Nothing here imports crewai at module level.
+
+A ledger setting that cannot work (a malformed URL, an unknown scheme or option, a path
+that cannot hold a ledger) raises `LedgerConfigurationError` where it is given:
+`IdempotencyConfig(...)`, `configure()`, `Crew(...)`. `CREWAI_IDEMPOTENCY_URL` is read at
+`Crew(...)` and at the first guarded call; a bad value stops the kickoff there, as an
+uncertain outcome does, instead of becoming a tool error the model reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast, get_args
 
 from .._backend import CacheBackend
+from .._errors import LedgerConfigurationError, LedgerUnavailable
+from .._keys import fingerprint as _fingerprint
 from .._ledger import Ledger, StalePolicy
-from .._url import backend_from_url
+from .._url import backend_from_url, redact
 
 if TYPE_CHECKING:
     from .._reconcile import Verdict
+
+log = logging.getLogger("crewai_idempotent")
 
 URL_ENV = "CREWAI_IDEMPOTENCY_URL"
 DEFAULT_LEDGER_NAME = "crewai_idempotent.db"
@@ -30,6 +41,7 @@ DEFAULT_LEDGER_NAME = "crewai_idempotent.db"
 OnUncertain = Literal["raise", "report"]
 KeySpec = str | Callable[[dict[str, Any], Any], str]
 Reconciler = Callable[[str, Any], "Verdict | Any"]
+Fingerprinter = Callable[[dict[str, Any]], Any]
 
 _ON_UNCERTAIN = ("raise", "report")
 _ON_STALE = get_args(StalePolicy)
@@ -64,7 +76,9 @@ class IdempotencyConfig:
     """Settings for the guard, given to a crew (`Crew(idempotency=...)`) or the process
     (`configure(...)`). A field left at None defers to the next level.
 
-    - `backend`: a `CacheBackend`, or a ledger URL (`sqlite:///abs/path.db`, `file:///dir`).
+    - `backend`: a `CacheBackend`, or a ledger URL (`sqlite:///relative.db`,
+      `sqlite:////abs/path.db`, `file:///abs/dir`, ...). A URL is opened here, so a bad
+      one raises `LedgerConfigurationError` (or `LedgerUnavailable`) at once.
     - `on_uncertain`: "raise" (default) stops the kickoff with `OutcomeUncertain`;
       "report" hands it to the agent as a tool error instead.
     - `idempotency_key`: the key template (or callable) for tools that set none.
@@ -85,6 +99,8 @@ class IdempotencyConfig:
                 "backend must be a crewai_idempotent CacheBackend or a ledger URL string, "
                 f"not {type(self.backend).__name__}"
             )
+        if isinstance(self.backend, str):
+            _backend_from(self.backend)  # refused here, not at the first tool call
         if self.on_uncertain is not None and self.on_uncertain not in _ON_UNCERTAIN:
             raise ValueError(f"on_uncertain must be 'raise' or 'report', not {self.on_uncertain!r}")
         _check_key_spec("idempotency_key", self.idempotency_key)
@@ -105,6 +121,7 @@ class ToolOptions:
     ttl: float | None = None
     reconcile: Reconciler | None = None
     on_stale: StalePolicy | None = None
+    fingerprint: Fingerprinter | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.idempotent, bool):
@@ -116,6 +133,24 @@ class ToolOptions:
         if self.reconcile is not None and not callable(self.reconcile):
             raise TypeError("reconcile must be a callable (key, args) -> Found | Absent | Unknown")
         _check_on_stale(self.on_stale)
+        if self.fingerprint is not None and not callable(self.fingerprint):
+            raise TypeError(
+                "fingerprint must be a callable (args) -> JSON-able data, "
+                f"not {type(self.fingerprint).__name__}"
+            )
+
+    def args_fingerprint(self, tool: str, arguments: dict[str, Any]) -> str:
+        """The fingerprint of one call: the tool name and its arguments, or what the tool's
+        `fingerprint` callable makes of them. TypeError when they cannot be fingerprinted."""
+        data: Any = arguments
+        if self.fingerprint is not None:
+            try:
+                data = self.fingerprint(dict(arguments))
+            except Exception as exc:
+                raise TypeError(
+                    f"the fingerprint callable raised {type(exc).__name__}: {exc}"
+                ) from exc
+        return _fingerprint({"tool": tool, "args": data})
 
     @classmethod
     def from_kwargs(cls, where: str, given: Mapping[str, Any]) -> ToolOptions | None:
@@ -213,6 +248,62 @@ def _default_backend() -> CacheBackend:
         return backend
 
 
+def env_backend() -> CacheBackend | None:
+    """The ledger CREWAI_IDEMPOTENCY_URL names, or None if it is unset or blank.
+
+    `LedgerConfigurationError` naming the variable if it cannot be used."""
+    url = os.environ.get(URL_ENV, "").strip()
+    if not url:
+        return None
+    try:
+        return _backend_from(url)
+    except (LedgerConfigurationError, LedgerUnavailable, ValueError, TypeError) as exc:
+        raise LedgerConfigurationError(f"{URL_ENV}={redact(url)!r}: {exc}") from exc
+
+
+def check_crew_ledger(crew: IdempotencyConfig | None) -> None:
+    """At `Crew(...)`: when the crew's ledger will come from CREWAI_IDEMPOTENCY_URL, open
+    it now, so that a bad value raises where the crew is built."""
+    for config in (crew, _process_config):
+        if config is not None and config.backend is not None:
+            return
+    env_backend()
+
+
+def _stop(error: Exception) -> NoReturn:
+    """Raise a configuration error past crewai: inside a kickoff, crewai would turn an
+    Exception from a tool into text for the model; the guard's Halt carries it out to the
+    kickoff instead, as it does an uncertain outcome."""
+    from . import _guard
+
+    if _guard._depth.get() > 0:
+        raise cast(Any, _guard.Halt)(error)
+    raise error
+
+
+_announced: set[tuple[str, int]] = set()
+
+
+def describe_default() -> str:
+    path = default_ledger_path()
+    return (
+        f"{path} (the default: crewai's storage folder, named after the current directory "
+        f"{path.parent.name!r} unless CREWAI_STORAGE_DIR is set; a crew started from another "
+        f"directory uses another ledger. Set {URL_ENV} or configure(backend=...) to pin it)"
+    )
+
+
+def _announce(source: str, backend: CacheBackend) -> None:
+    """Say once per ledger and source which ledger guarded calls use."""
+    with _lock:
+        mark = (source, id(backend))
+        if mark in _announced:
+            return
+        _announced.add(mark)
+    where = describe_default() if source == "default" else f"{backend!r} (from {source})"
+    log.info("crewai-idempotent: guarded tool calls use the ledger %s", where)
+
+
 @dataclass(frozen=True)
 class Settings:
     """The options in force for one guarded call, and where the backend came from."""
@@ -255,19 +346,24 @@ def resolve(tool: ToolOptions, crew: IdempotencyConfig | None) -> Settings:
 
     backend: CacheBackend | None = None
     source = ""
-    for label, config in levels:
-        if config.backend is not None:
-            backend, source = _backend_from(config.backend), label
-            break
-    if backend is None:
-        url = os.environ.get(URL_ENV, "").strip()
-        if url:
+    try:
+        for label, config in levels:
+            if config.backend is not None:
+                backend, source = _backend_from(config.backend), label
+                break
+        if backend is None:
+            backend, source = env_backend(), URL_ENV
+        if backend is None:
             try:
-                backend, source = _backend_from(url), URL_ENV
-            except ValueError as exc:
-                raise ValueError(f"{URL_ENV}={url!r}: {exc}") from exc
-    if backend is None:
-        backend, source = _default_backend(), "default"
+                backend, source = _default_backend(), "default"
+            except LedgerUnavailable as exc:
+                raise LedgerConfigurationError(
+                    f"the default ledger cannot be used: {exc}. Set {URL_ENV} or "
+                    "configure(backend=...)"
+                ) from exc
+    except LedgerConfigurationError as exc:
+        _stop(exc)
+    _announce(source, backend)
     ttl = pick("ttl")
     return Settings(
         ledger=ledger_for(backend),
@@ -323,3 +419,4 @@ def reset_for_tests() -> None:
                 backend.close()
         _url_backends.clear()
         _default_backends.clear()
+        _announced.clear()

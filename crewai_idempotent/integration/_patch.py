@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ._config import OPTION_NAMES, merge_crew_settings
+from ._config import OPTION_NAMES, check_crew_ledger, merge_crew_settings
 
 SUPPORTED = ((1, 15, 30), (1, 16, 0))  # crewai >= 1.15.30, < 1.16: the range the tests cover
 _ABSENT: Any = object()
@@ -205,6 +205,7 @@ def _crew_init(original: Callable[..., None]) -> Callable[..., None]:
         idempotency = data.pop("idempotency", None) if "idempotency" not in fields else None
         cache_backend = data.pop("cache_backend", None) if "cache_backend" not in fields else None
         config = merge_crew_settings(idempotency, cache_backend, type(self).__name__)
+        check_crew_ledger(config)
         original(self, **data)
         if config is not None:
             _guard.stash(self, config)

@@ -210,6 +210,7 @@ def idempotent(
     ttl: float | None = None,
     reconcile: Callable[[str, Any], Any] | None = None,
     on_stale: str | None = None,
+    fingerprint: Callable[[dict[str, Any]], Any] | None = None,
 ) -> BaseTool:
     """A guarded copy of `tool` (a crewai_tools or MCP tool, or any BaseTool).
 
@@ -233,6 +234,7 @@ def idempotent(
         ttl=ttl,
         reconcile=reconcile,
         on_stale=on_stale,  # type: ignore[arg-type]
+        fingerprint=fingerprint,
     )
     guarded = tool.model_copy()
     if isinstance(guarded, Tool):

@@ -1,6 +1,6 @@
 """A worker process that runs one guarded charge and can stop at a named point to be killed.
 
-    python -m tests.faults.worker --ledger sqlite:///tmp/x/ledger.db --provider /tmp/x/fx \
+    python -m tests.faults.worker --ledger sqlite:////tmp/x/ledger.db --provider /tmp/x/fx \
         --key order-1 --pause-at after_effect --marker /tmp/x/order-1.at
 
 The points, in the order a run reaches them:
