@@ -4,10 +4,16 @@
     crewai-idempotent show KEY
     crewai-idempotent resolve KEY --happened --result-text ch_123 --reason "in the dashboard"
     crewai-idempotent resolve KEY --absent --reason "no charge at the provider"
+    crewai-idempotent doctor
+    crewai-idempotent export > ledger.jsonl
 
 The ledger is `--ledger URL`, else `CREWAI_IDEMPOTENCY_URL`, else the embedded default
 (the SQLite file the crewai integration uses, in crewai's storage folder for the current
-project). Only `demo` imports crewai; the other commands stay fast.
+project). Only `demo` imports crewai; the other commands stay fast. No command creates a
+ledger: a path that holds none is reported.
+
+Everything printed for people is safe for a terminal: control and bidirectional-text
+characters in keys, errors and receipts are shown escaped, and ledger passwords as `***`.
 
 Exit status: 0 done; 1 refused, not found, or the ledger is unavailable; 2 bad usage
 (including a malformed ledger URL or --result that is not JSON).
@@ -17,15 +23,18 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import shutil
 import sys
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, urlsplit
 
 import click
+from click.core import ParameterSource
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -37,16 +46,33 @@ URL_ENV = "CREWAI_IDEMPOTENCY_URL"
 _STATUSES = ("pending", "committed", "failed", "uncertain")
 
 
+_SOURCES = {
+    ParameterSource.COMMANDLINE: "--ledger",
+    ParameterSource.ENVIRONMENT: URL_ENV,
+}
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
 class _Where:
     """The ledger the user named, opened on first use and closed at exit."""
 
-    def __init__(self, url: str | None) -> None:
+    def __init__(self, url: str | None, source: str = "--ledger") -> None:
         self.url = url.strip() if url and url.strip() else None
+        self.source = source if self.url is not None else "default"
         self._ledger: Ledger | None = None
+        self._secrets = _secrets(self.url) if self.url else []
 
     @property
     def label(self) -> str:
-        return self.url or f"sqlite://{_default_path()} (default)"
+        if self.url is None:
+            return f"{_sqlite_url(_default_path())} (default)"
+        return _redact(self.url)
+
+    def scrub(self, text: str) -> str:
+        """`text` with the ledger's password replaced, wherever a message repeats it."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def ledger(self) -> Ledger:
         if self._ledger is None:
@@ -62,26 +88,113 @@ class _Where:
             path = _default_path()
             if not path.exists():
                 raise click.ClickException(
-                    f"no ledger at the default location {path} (crewai's storage folder for "
-                    f"project {path.parent.name!r}, named after the current directory or "
-                    f"CREWAI_STORAGE_DIR). Run from the project's directory, or pass --ledger "
-                    f"URL / set {URL_ENV}"
+                    safe(
+                        f"no ledger at the default location {path} (crewai's storage folder for "
+                        f"project {path.parent.name!r}, named after the current directory or "
+                        f"CREWAI_STORAGE_DIR). Run from the project's directory, or pass "
+                        f"--ledger URL / set {URL_ENV}"
+                    )
                 )
-            url = f"sqlite://{path}"
+            _require_ledger_file(path, "the default location")
+            url = _sqlite_url(path)
         else:
             url = self.url
-            _require_local_ledger(url)
+            self._require_existing(url)
         try:
             backend = backend_from_url(url)
         except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--ledger") from None
+            raise click.BadParameter(self.scrub(safe(str(exc))), param_hint=self.source) from None
         except LedgerUnavailable as exc:
-            raise click.ClickException(f"ledger unavailable: {exc}") from None
+            raise click.ClickException(self.scrub(safe(f"ledger unavailable: {exc}"))) from None
         return Ledger(backend)
+
+    def _require_existing(self, url: str) -> None:
+        """Refuse to create a ledger by looking at one: a typo would open an empty new one."""
+        from ._url import local_path
+
+        try:
+            path = local_path(url)
+        except ValueError as exc:
+            raise click.BadParameter(self.scrub(safe(str(exc))), param_hint=self.source) from None
+        if path is None:
+            return  # servers: the backend reports an unreachable one
+        where = f"from {self.source} {self.label}"
+        if urlsplit(url).scheme.lower() == "sqlite":
+            _require_ledger_file(path, where)
+        elif not (path / "records").is_dir():
+            raise click.ClickException(
+                safe(
+                    f"no ledger at {path} ({where}): a file ledger is a folder holding "
+                    "records/ and locks/"
+                )
+            )
 
     def close(self) -> None:
         if self._ledger is not None:
             self._ledger.close()
+
+
+def _require_ledger_file(path: Path, where: str) -> None:
+    """`path` is an existing SQLite database holding a ledger; anything else is refused
+    before it is opened read-write (which would make it one)."""
+    import sqlite3
+
+    if not path.exists():
+        raise click.ClickException(safe(f"no ledger at {path} ({where})"))
+    try:
+        with path.open("rb") as file:
+            header = file.read(len(_SQLITE_HEADER))
+    except OSError as exc:
+        raise click.ClickException(safe(f"ledger unavailable: cannot read {path}: {exc}")) from None
+    if header != _SQLITE_HEADER:
+        what = "an empty file" if not header else "not a SQLite database"
+        raise click.ClickException(safe(f"no ledger at {path} ({where}): it is {what}"))
+    try:
+        db = sqlite3.connect(
+            f"{_sqlite_url(path).replace('sqlite:', 'file:', 1)}?mode=ro", uri=True
+        )
+        try:
+            found = db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'idempotency_records'"
+            ).fetchone()
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as exc:
+        raise click.ClickException(safe(f"ledger unavailable: {path}: {exc}")) from None
+    if found is None:
+        raise click.ClickException(
+            safe(f"no ledger at {path} ({where}): a SQLite database without a ledger table")
+        )
+
+
+def _sqlite_url(path: Path) -> str:
+    return "sqlite:///" + quote(str(path.absolute()), safe="/")
+
+
+def _redact(url: str) -> str:
+    from ._url import redact
+
+    return safe(redact(url))
+
+
+def _secrets(url: str) -> list[str]:
+    """The password a URL carries, raw and percent-encoded, longest first."""
+    from urllib.parse import parse_qsl, unquote
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return []
+    found = set()
+    userinfo = parts.netloc.rpartition("@")[0]
+    if ":" in userinfo:
+        found.add(userinfo.split(":", 1)[1])
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name.lower() in ("password", "passwd", "pass"):
+            found.add(value)
+    found |= {unquote(secret) for secret in found}
+    found |= {quote(secret, safe="") for secret in found}
+    return sorted((s for s in found if s), key=len, reverse=True)
 
 
 def _default_path() -> Path:
@@ -91,29 +204,48 @@ def _default_path() -> Path:
     return default_ledger_path()
 
 
-def _require_local_ledger(url: str) -> None:
-    """Refuse to create a ledger by looking at one: a typo would open an empty new file."""
-    parts = urlsplit(url)
-    if parts.scheme.lower() not in ("sqlite", "file") or parts.netloc not in ("", "localhost"):
-        return  # servers, or a malformed local URL that backend_from_url will explain
-    path = Path(unquote(parts.path))
-    if parts.path not in ("", "/") and not path.exists():
-        raise click.ClickException(f"no ledger at {path} (from --ledger {url})")
+_UNSAFE = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f"
+    "\ufeff\ufff9-\ufffb\ud800-\udfff]"
+)
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe(text: str, *, lines: bool = True) -> str:
+    """`text` with every character that could move the cursor, change colours or reorder
+    what the terminal shows (C0/C1 controls, escape, bidi overrides and isolates,
+    zero-width and format characters, lone surrogates) written as `\\xNN`/`\\uNNNN`.
+    Newlines and tabs stay when `lines` (multi-line text we laid out), else they too are
+    escaped (one table cell)."""
+    text = _UNSAFE.sub(_escape_char, text)
+    if not lines:
+        text = text.replace("\n", "\\n").replace("\t", "\\t")
+    # Any other format character (category Cf) is escaped too.
+    if not text.isascii():
+        text = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) == "Cf" else c for c in text)
+    return text
 
 
 @contextmanager
-def _errors() -> Iterator[None]:
-    """Turn the ledger's errors into one clear line and exit status 1."""
+def _errors(where: _Where | None = None) -> Iterator[None]:
+    """Turn the ledger's errors into one clear, terminal-safe line and exit status 1."""
     from ._errors import IdempotencyError, InvalidIdempotencyKey, LedgerUnavailable
+
+    def clean(text: str) -> str:
+        return safe(where.scrub(text) if where is not None else text)
 
     try:
         yield
     except InvalidIdempotencyKey as exc:
-        raise click.BadParameter(str(exc), param_hint="KEY") from None
+        raise click.BadParameter(clean(str(exc)), param_hint="KEY") from None
     except LedgerUnavailable as exc:
-        raise click.ClickException(f"ledger unavailable: {exc}") from None
+        raise click.ClickException(clean(f"ledger unavailable: {exc}")) from None
     except IdempotencyError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(clean(str(exc))) from None
 
 
 def _check_key(key: str) -> None:
@@ -152,6 +284,19 @@ def _ago(seconds: float) -> str:
     return f"in {text}" if future else f"{text} ago"
 
 
+_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _duration(value: str | None) -> float | None:
+    """`90`, `90s`, `15m`, `2h`, `7d`, `1w` as seconds."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)?\s*", value)
+    if match is None:
+        raise click.BadParameter(f"not a duration (90, 90s, 15m, 2h, 7d, 1w): {value!r}")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
 def _state(record: Record, now: float) -> str:
     """The status as an operator needs to read it."""
     status = record.status.value
@@ -177,11 +322,19 @@ def _payload_type(payload: Any) -> str:
         return str(payload.get("cls"))
     if kind == "str":
         return f"str() of {payload.get('type')}"
+    if kind == "typed":
+        return "json with tagged types"
     return "json"
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+    """JSON for people: laid out, then made terminal-safe."""
+    return safe(json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True))
+
+
+def _machine(value: Any, indent: int | None = 2) -> str:
+    """JSON for programs: ASCII only, so no byte of it can act on a terminal either."""
+    return json.dumps(value, indent=indent, ensure_ascii=True, sort_keys=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -190,8 +343,9 @@ def _dumps(value: Any) -> str:
     "url",
     metavar="URL",
     envvar=URL_ENV,
-    help=f"Ledger URL (sqlite:///abs/file.db, file:///abs/dir, postgresql://…, redis://…). "
-    f"Default: ${URL_ENV}, else the embedded SQLite ledger of the current project.",
+    help=f"Ledger URL (sqlite:///relative.db, sqlite:////abs/file.db, file:///abs/dir, "
+    f"postgresql://…, redis://…). Default: ${URL_ENV}, else the embedded SQLite ledger of "
+    "the current project.",
 )
 @click.pass_context
 def main(ctx: click.Context, url: str | None) -> None:
@@ -200,46 +354,85 @@ def main(ctx: click.Context, url: str | None) -> None:
     An UNCERTAIN record (or a stale PENDING one) is an operation whose effect may or may not
     have happened. Look it up at the provider, then `resolve` it. See docs/recovery.md.
     """
-    where = _Where(url)
+    source = _SOURCES.get(ctx.get_parameter_source("url"), "--ledger")  # type: ignore[arg-type]
+    where = _Where(url, source)
     ctx.obj = where
     ctx.call_on_close(where.close)
 
 
-@main.command("ls")
-@click.option(
-    "--status",
-    type=click.Choice(_STATUSES, case_sensitive=False),
-    help="Only records in this status.",
-)
-@click.option("--stale", is_flag=True, help="Only PENDING records whose lease has expired.")
-@click.option("--needs-operator", is_flag=True, help="Only records flagged for a person.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
-@click.pass_obj
-def list_records(
-    where: _Where, status: str | None, stale: bool, needs_operator: bool, as_json: bool
-) -> None:
-    """List records, oldest update first."""
+def _filters(function: Any) -> Any:
+    options = [
+        click.option(
+            "--status",
+            type=click.Choice(_STATUSES, case_sensitive=False),
+            help="Only records in this status.",
+        ),
+        click.option("--stale", is_flag=True, help="Only PENDING records whose lease expired."),
+        click.option("--needs-operator", is_flag=True, help="Only records flagged for a person."),
+        click.option(
+            "--tool",
+            metavar="NAME",
+            help="Only keys of this tool: keys starting NAME: (the default keys, and templates "
+            "that start with the tool name). Records do not store the tool itself.",
+        ),
+        click.option("--prefix", metavar="TEXT", help="Only keys starting with TEXT."),
+        click.option(
+            "--older-than",
+            metavar="AGE",
+            help="Only records last updated at least AGE ago (90s, 15m, 2h, 7d).",
+        ),
+        click.option("--newer-than", metavar="AGE", help="Only records updated less than AGE ago."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _select(where: _Where, filters: dict[str, Any]) -> tuple[Ledger, list[Record], float]:
     from ._record import Status
 
-    with _errors():
+    older, newer = _duration(filters["older_than"]), _duration(filters["newer_than"])
+    status, stale = filters["status"], filters["stale"]
+    prefixes = [p for p in (filters["prefix"],) if p is not None]
+    if filters["tool"] is not None:
+        prefixes.append(f"{filters['tool']}:")
+    with _errors(where):
         ledger = where.ledger()
         wanted = Status(status.upper()) if status else (Status.PENDING if stale else None)
         records = ledger.records(wanted)
         now = ledger.backend.now()
-    if stale:
-        records = [r for r in records if ledger.is_stale(r)]
-    if needs_operator:
+        if stale:
+            records = [r for r in records if ledger.is_stale(r)]
+    if filters["needs_operator"]:
         records = [r for r in records if r.needs_operator]
+    for prefix in prefixes:
+        records = [r for r in records if r.key.startswith(prefix)]
+    if older is not None:
+        records = [r for r in records if now - r.updated_at >= older]
+    if newer is not None:
+        records = [r for r in records if now - r.updated_at < newer]
+    return ledger, records, now
+
+
+@main.command("ls")
+@_filters
+@click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
+@click.pass_obj
+def list_records(where: _Where, as_json: bool, **filters: Any) -> None:
+    """List records, oldest update first."""
+    from ._record import Status
+
+    ledger, records, now = _select(where, filters)
     if as_json:
         click.echo(
-            _dumps([json.loads(r.to_json()) | {"stale": ledger.is_stale(r)} for r in records])
+            _machine([json.loads(r.to_json()) | {"stale": ledger.is_stale(r)} for r in records])
         )
         return
 
     if not records:
         click.echo(f"no records match in {where.label}")
         return
-    rows = [("KEY", "STATUS", "TOKEN", "OWNER", "UPDATED", "NOTE")]
+    rows: list[list[str]] = [["KEY", "STATUS", "TOKEN", "OWNER", "UPDATED", "NOTE"]]
     for record in records:
         note = record.error or ""
         if record.status is Status.PENDING:
@@ -247,7 +440,8 @@ def list_records(
             note = f"lease {verb} {_ago(now - (record.lease_expires_at or now))}"
         owner = record.owner.label if record.owner else "-"
         age = _ago(now - record.updated_at)
-        rows.append((record.key, _state(record, now), str(record.token), owner, age, note))
+        fields = (record.key, _state(record, now), str(record.token), owner, age, note)
+        rows.append([safe(field, lines=False) for field in fields])
     # One line per record, every column whole except the note, which is cut to the terminal.
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     room = max(30, shutil.get_terminal_size((100, 24)).columns - sum(widths) - 2 * 5)
@@ -258,6 +452,28 @@ def list_records(
     click.echo(f"{len(records)} record(s) in {where.label}")
 
 
+@main.command("export")
+@_filters
+@click.pass_obj
+def export(where: _Where, **filters: Any) -> None:
+    """Every record, with its full history and evidence, as JSON Lines (for audit).
+
+    One JSON object per line, ASCII only: the record as `show --json` gives it, with each
+    history event as an object (at, at_utc, kind, token, by, note). Filters as for `ls`.
+    """
+    import dataclasses
+
+    ledger, records, _ = _select(where, filters)
+    for record in records:
+        doc = json.loads(record.to_json())
+        # Named fields and readable times: an audit trail is read by people and tools alike.
+        doc["history"] = [
+            dataclasses.asdict(event) | {"at_utc": _stamp(event.at)} for event in record.history
+        ]
+        doc["stale"] = ledger.is_stale(record)
+        click.echo(_machine(doc, None))
+
+
 @main.command("show")
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="The record as JSON.")
@@ -265,14 +481,14 @@ def list_records(
 def show(where: _Where, key: str, as_json: bool) -> None:
     """Show one record: its state, result, evidence and full history."""
     _check_key(key)
-    with _errors():
+    with _errors(where):
         ledger = where.ledger()
         record = ledger.get(key)
         now = ledger.backend.now()
     if record is None:
-        raise click.ClickException(f"no record for idempotency key {key!r} in {where.label}")
+        raise click.ClickException(safe(f"no record for idempotency key {key!r} in {where.label}"))
     if as_json:
-        click.echo(_dumps(json.loads(record.to_json()) | {"stale": ledger.is_stale(record)}))
+        click.echo(_machine(json.loads(record.to_json()) | {"stale": ledger.is_stale(record)}))
         return
 
     from rich.table import Table
@@ -282,13 +498,13 @@ def show(where: _Where, key: str, as_json: bool) -> None:
     facts.add_column(style="bold")
     facts.add_column(overflow="fold")
     rows: list[tuple[str, str]] = [
-        ("key", record.key),
+        ("key", safe(record.key, lines=False)),
         ("status", _state(record, now)),
         ("token", str(record.token)),
         ("revision", str(record.revision)),
         ("attempts", str(record.attempts)),
-        ("owner", record.owner.label if record.owner else "-"),
-        ("fingerprint", record.fingerprint or "-"),
+        ("owner", safe(record.owner.label, lines=False) if record.owner else "-"),
+        ("fingerprint", safe(record.fingerprint or "-", lines=False)),
         ("created", _when(record.created_at, now)),
         ("updated", _when(record.updated_at, now)),
     ]
@@ -297,13 +513,13 @@ def show(where: _Where, key: str, as_json: bool) -> None:
     if record.expires_at is not None:
         rows.append(("receipt expires", _when(record.expires_at, now)))
     if record.error:
-        rows.append(("error", record.error))
+        rows.append(("error", safe(record.error, lines=False)))
     if record.result is not None:
         rows.append((f"result ({_payload_type(record.result)})", _dumps(_payload(record.result))))
     if record.needs_operator:
         rows.append(("needs operator", "yes: two executions may have happened"))
     for name, value in rows:
-        facts.add_row(name, value)
+        facts.add_row(safe(name, lines=False), value)
     console.print(facts)
 
     if record.evidence:
@@ -324,7 +540,12 @@ def show(where: _Where, key: str, as_json: bool) -> None:
     history.add_column("NOTE", overflow="fold")
     for number, event in enumerate(record.history, 1):
         history.add_row(
-            str(number), _stamp(event.at), event.kind, str(event.token), event.by, event.note
+            str(number),
+            _stamp(event.at),
+            safe(event.kind, lines=False),
+            str(event.token),
+            safe(event.by, lines=False),
+            safe(event.note, lines=False),
         )
     console.print(history)
 
@@ -374,16 +595,18 @@ def resolve(
             result = json.loads(result_json)
         except ValueError as exc:
             raise click.BadParameter(
-                f"not JSON ({exc}): {result_json!r}", param_hint="--result"
+                safe(f"not JSON ({exc}): {result_json!r}"), param_hint="--result"
             ) from None
     elif result_text is not None:
         result = result_text
 
-    with _errors():
+    with _errors(where):
         ledger = where.ledger()
         before = ledger.get(key)
         if before is None:
-            raise click.ClickException(f"no record for idempotency key {key!r} in {where.label}")
+            raise click.ClickException(
+                safe(f"no record for idempotency key {key!r} in {where.label}")
+            )
         if happened and result_json is None and result_text is None:
             result = _kept_result(before)
         if absent:
@@ -394,30 +617,41 @@ def resolve(
     console = _console()
     if before.needs_operator:
         console.print(
-            f"note: {key!r} was flagged because two executions may have happened "
-            f"({len(before.evidence)} late finisher(s) in its evidence); the evidence stays "
-            "on the record"
+            safe(
+                f"note: {key!r} was flagged because two executions may have happened "
+                f"({len(before.evidence)} late finisher(s) in its evidence); the evidence "
+                "stays on the record"
+            )
         )
     if absent:
-        console.print(f"resolved {key!r} as absent: FAILED; the next attempt runs the operation")
-    else:
         console.print(
-            f"resolved {key!r} as happened: COMMITTED (token {record.token}); every later "
-            f"call replays {json.dumps(_payload(record.result), ensure_ascii=False)}"
+            safe(f"resolved {key!r} as absent: FAILED; the next attempt runs the operation")
+        )
+    else:
+        replayed = json.dumps(_payload(record.result), ensure_ascii=False)
+        console.print(
+            safe(
+                f"resolved {key!r} as happened: COMMITTED (token {record.token}); every later "
+                f"call replays {replayed}"
+            )
         )
 
 
 def _kept_result(record: Record) -> Any:
     if record.result is None:
         raise click.UsageError(
-            f"{record.key!r} has no stored result to keep; give the provider's receipt "
-            "with --result JSON or --result-text TEXT"
+            safe(
+                f"{record.key!r} has no stored result to keep; give the provider's receipt "
+                "with --result JSON or --result-text TEXT"
+            )
         )
     value = record.value()
     if record.result.get("t") == "pydantic" and isinstance(value, dict):
         raise click.UsageError(
-            f"the stored result is a {record.result.get('cls')} that cannot be imported here; "
-            "give it with --result JSON"
+            safe(
+                f"the stored result is a {record.result.get('cls')} that cannot be imported "
+                "here; give it with --result JSON"
+            )
         )
     return value
 
@@ -440,9 +674,27 @@ def purge(where: _Where, everything: bool, yes: bool) -> None:
             abort=True,
             err=True,
         )
-    with _errors():
+    with _errors(where):
         removed = where.ledger().purge(expired_only=not everything)
     click.echo(f"purged {removed} record(s) from {where.label}")
+
+
+@main.command("doctor")
+@click.pass_obj
+def doctor(where: _Where) -> None:
+    """Which ledger is in effect and why, its files and their modes, whether it answers
+    and how durable it is, whether this crewai is supported and the integration active.
+
+    Exit status 1 when something needs fixing. Never creates a ledger.
+    """
+    from ._doctor import report
+
+    lines, problems = report(where)
+    for line in lines:
+        click.echo(safe(where.scrub(line)))
+    if problems:
+        click.echo(f"{problems} problem(s) found", err=True)
+        sys.exit(1)
 
 
 @main.command("demo")

@@ -37,7 +37,7 @@ def ledger_path(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def url(ledger_path: Path) -> str:
-    return f"sqlite://{ledger_path}"
+    return f"sqlite:///{ledger_path}"
 
 
 @pytest.fixture
@@ -323,9 +323,9 @@ def test_bad_ledger_urls(tmp_path: Path) -> None:
     unknown = cli("bogus://somewhere", "ls")
     assert unknown.exit_code == 2 and "unknown ledger URL scheme 'bogus'" in unknown.stderr
     hosted = cli("sqlite://host/ledger.db", "ls")
-    assert hosted.exit_code == 2 and "a local ledger URL has no host" in hosted.stderr
+    assert hosted.exit_code == 2 and "a sqlite URL has no host" in hosted.stderr
     missing = tmp_path / "typo.db"
-    absent = cli(f"sqlite://{missing}", "ls")
+    absent = cli(f"sqlite:///{missing}", "ls")
     assert absent.exit_code == 1 and f"no ledger at {missing}" in absent.stderr
     assert not missing.exists()  # looking did not create an empty ledger
 
@@ -334,9 +334,10 @@ def test_unreadable_ledger(tmp_path: Path) -> None:
     corrupt = tmp_path / "corrupt.db"
     corrupt.write_bytes(b"this is not a database" * 100)
     corrupt.chmod(0o600)
-    result = cli(f"sqlite://{corrupt}", "ls")
+    result = cli(f"sqlite:///{corrupt}", "ls")
     assert result.exit_code == 1
-    assert "ledger unavailable" in result.stderr and "corrupt" in result.stderr
+    assert "not a SQLite database" in result.stderr
+    assert corrupt.read_bytes() == b"this is not a database" * 100
 
 
 def test_ledger_from_the_environment(url: str, populated: Ledger) -> None:
@@ -486,3 +487,192 @@ def test_keys_and_notes_print_as_written(url: str, ledger: Ledger) -> None:
     assert key in cli(url, "ls").stdout
     resolved = cli(url, "resolve", key, "--absent", "--reason", "[none]")
     assert resolved.exit_code == 0 and key in resolved.stdout
+
+
+# -- what an operator's terminal receives ----------------------------------------------------
+
+HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x9b31m\u202eevil\u2066"
+
+
+def _raw_controls(text: str) -> list[str]:
+    return [c for c in text if c in "\x1b\x07\x9b\u202e\u2066"]
+
+
+def test_control_and_bidi_characters_are_escaped_everywhere(url: str, ledger: Ledger) -> None:
+    key = "pay:\u202egpj.exe\x9b"  # a valid key: no C0 controls, but C1 and bidi
+    with pytest.raises(OutcomeUnknown):
+        ledger.run(key, _raise(OutcomeUnknown(f"provider said {HOSTILE}\nfake row")))
+    outputs = {
+        "ls": cli(url, "ls"),
+        "show": cli(url, "show", key),
+        "show-missing": cli(url, "show", key + "x"),
+        "resolve": cli(
+            url, "resolve", key, "--happened", "--result-text", HOSTILE, "--reason", "x"
+        ),
+        "show-after": cli(url, "show", key),
+        "ls-json": cli(url, "ls", "--json"),
+        "export": cli(url, "export"),
+    }
+    for name, result in outputs.items():
+        assert _raw_controls(result.stdout + result.stderr) == [], name
+    assert "\\u202e" in outputs["ls"].stdout and "\\x1b" in outputs["ls"].stdout
+    assert "\\x1b]0;pwned" in outputs["show"].stdout
+    assert "\\n" in outputs["show"].stdout and "\nfake row" not in outputs["show"].stdout
+    assert "\\x9b" in outputs["show-missing"].stderr
+    # machine output stays exact JSON: the stored receipt reads back as written
+    (record,) = json.loads(outputs["ls-json"].stdout)
+    assert record["result"]["v"] == HOSTILE
+
+
+def test_passwords_in_ledger_urls_are_never_printed(tmp_path: Path) -> None:
+    from tests.servers import discard, start_redis
+
+    server = start_redis(extra=("--requirepass", "s3cr%t pw"))
+    try:
+        good = server.url().replace("redis://", "redis://:s3cr%25t%20pw@", 1)
+        wrong = server.url().replace("redis://", "redis://:wrong%25s3cret@", 1)
+        results = [
+            cli(good, "ls"),
+            cli(good, "show", "nope"),
+            cli(good, "purge"),
+            cli(good, "export"),
+            cli(good, "doctor"),
+            cli(None, "ls", env={"CREWAI_IDEMPOTENCY_URL": good}),
+            cli(wrong, "ls"),
+            cli(good.replace("redis://", "redis://x", 1) + "?bogus_option=1", "ls"),
+        ]
+    finally:
+        discard(server)
+    assert results[0].exit_code == 0, results[0].output
+    assert "redis://:***@" in results[0].stdout
+    assert results[6].exit_code == 1
+    for result in results:
+        text = result.stdout + result.stderr
+        for secret in ("s3cr%t pw", "s3cr%25t%20pw", "s3cr", "wrong%25s3cret", "wrong%s3cret"):
+            assert secret not in text, text
+
+
+# -- which ledger, and never making one ------------------------------------------------------
+
+
+def test_the_environment_is_named_as_the_source(tmp_path: Path) -> None:
+    missing = tmp_path / "typo.db"
+    env = {"CREWAI_IDEMPOTENCY_URL": f"sqlite:///{missing}"}
+    result = cli(None, "ls", env=env)
+    assert result.exit_code == 1
+    assert "from CREWAI_IDEMPOTENCY_URL" in result.stderr and "--ledger" not in result.stderr
+    bad = cli(None, "ls", env={"CREWAI_IDEMPOTENCY_URL": "bogus://x"})
+    assert bad.exit_code == 2 and "CREWAI_IDEMPOTENCY_URL" in bad.stderr
+    assert "--ledger" not in bad.stderr
+
+
+def test_inspection_never_turns_a_file_into_a_ledger(tmp_path: Path) -> None:
+    import sqlite3
+
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE notes (x)")
+    other_bytes = other.read_bytes()
+    for command in (["ls"], ["show", "k"], ["export"], ["purge"], ["doctor"]):
+        result = cli(f"sqlite:///{empty}", *command)
+        assert result.exit_code == 1 and "empty file" in result.stderr + result.stdout, command
+        result = cli(f"sqlite:///{other}", *command)
+        assert result.exit_code == 1 and "without a ledger table" in result.output, command
+    assert empty.stat().st_size == 0
+    assert other.read_bytes() == other_bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.db", "other.db"]
+
+
+def test_file_urls_never_create_folders(tmp_path: Path) -> None:
+    existing = tmp_path / "some-folder"
+    existing.mkdir()
+    for url in (f"file://{existing}", f"file://{tmp_path / 'absent'}"):
+        for command in (["ls"], ["purge"], ["doctor"]):
+            result = cli(url, *command)
+            assert result.exit_code == 1 and "no ledger at" in result.output, (url, command)
+    assert list(existing.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["some-folder"]
+    relative = cli("file://some-folder", "ls")
+    assert relative.exit_code == 2 and "read as a host name" in relative.stderr
+
+
+# -- filters, export, doctor ----------------------------------------------------------------
+
+
+def test_ls_filters_by_tool_prefix_and_age(url: str, ledger: Ledger) -> None:
+    ledger.run("order-charge:abc", lambda: "ch_1")
+    ledger.run("order-charge:def", lambda: "ch_2")
+    ledger.run("order-mail:abc", lambda: "m_1")
+    old = ledger.get("order-charge:abc")
+    assert old is not None
+    assert ledger.backend.replace(
+        old, replace(old, revision=old.revision + 1, updated_at=old.updated_at - 3 * 86400)
+    )
+    assert set(rows(cli(url, "ls", "--tool", "order-charge").stdout)) == {
+        "order-charge:abc",
+        "order-charge:def",
+    }
+    assert set(rows(cli(url, "ls", "--prefix", "order-m").stdout)) == {"order-mail:abc"}
+    assert set(rows(cli(url, "ls", "--older-than", "2d").stdout)) == {"order-charge:abc"}
+    assert set(rows(cli(url, "ls", "--newer-than", "1h", "--tool", "order-charge").stdout)) == {
+        "order-charge:def"
+    }
+    assert cli(url, "ls", "--older-than", "soon").exit_code == 2
+
+
+def test_export_is_json_lines_with_history(url: str, populated: Ledger) -> None:
+    result = cli(url, "export")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    records = [json.loads(line) for line in lines]
+    by_key = {r["key"]: r for r in records}
+    assert set(by_key) == {r.key for r in populated.records()}
+    twice = by_key["order-twice"]
+    assert [e["kind"] for e in twice["history"]][-1] == "fenced" and twice["evidence"]
+    assert by_key["order-stale"]["stale"] is True
+    only = cli(url, "export", "--status", "uncertain")
+    assert {json.loads(line)["key"] for line in only.stdout.splitlines()} == {
+        "order-uncertain",
+        "order-twice",
+    }
+
+
+def test_doctor_reports_ledger_source_modes_durability_and_support(
+    url: str, ledger_path: Path, populated: Ledger, tmp_path: Path
+) -> None:
+    import importlib.metadata
+
+    result = cli(url, "doctor")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert f"ledger       {url}" in out and "source       --ledger" in out
+    assert f"{ledger_path}  -rw------- (0600)" in out
+    assert "reachable    yes" in out and "2 uncertain" in out
+    assert "synchronous=FULL: survives power loss" in out
+    assert f"crewai       {importlib.metadata.version('crewai')}: supported" in out
+    assert "activation" in out
+    from_env = cli(None, "doctor", env={"CREWAI_IDEMPOTENCY_URL": url + "?synchronous=NORMAL"})
+    assert "source       CREWAI_IDEMPOTENCY_URL" in from_env.stdout
+    assert "synchronous=NORMAL" in from_env.stdout
+
+    ledger_path.parent.chmod(0o777)
+    try:
+        unsafe = cli(url, "doctor")
+    finally:
+        ledger_path.parent.chmod(0o700)
+    assert unsafe.exit_code == 1 and "writable by group or others" in unsafe.stdout
+
+
+def test_doctor_names_the_default_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv("CREWAI_STORAGE_DIR", raising=False)
+    monkeypatch.delenv("CREWAI_IDEMPOTENCY_URL", raising=False)
+    from crewai_idempotent.integration._config import default_ledger_path
+
+    result = cli(None, "doctor")
+    assert result.exit_code == 1  # no ledger there yet: reported, not created
+    assert f"default: {default_ledger_path()}" in result.stdout
+    assert "named after the current directory" in result.stdout
+    assert not default_ledger_path().exists()

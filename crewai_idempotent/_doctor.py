@@ -1,0 +1,211 @@
+"""`crewai-idempotent doctor`: what an operator needs to know before trusting the ledger.
+
+Reads, never creates: a ledger that does not exist is reported, not made.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import click
+
+if TYPE_CHECKING:
+    from .cli import _Where
+
+_UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
+
+
+class _Report:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.problems = 0
+
+    def fact(self, name: str, value: str) -> None:
+        self.lines.append(f"{name:<12} {value}")
+
+    def problem(self, name: str, value: str) -> None:
+        self.problems += 1
+        self.fact(name, f"PROBLEM: {value}")
+
+
+def report(where: _Where) -> tuple[list[str], int]:
+    out = _Report()
+    _ledger_facts(where, out)
+    _open_facts(where, out)
+    _crewai_facts(out)
+    _activation_facts(out)
+    return out.lines, out.problems
+
+
+def _ledger_facts(where: _Where, out: _Report) -> None:
+    from .integration._config import describe_default
+
+    out.fact("ledger", where.label)
+    if where.url is None:
+        out.fact("source", f"default: {describe_default()}")
+        if os.environ.get("CREWAI_STORAGE_DIR"):
+            out.fact(
+                "", f"CREWAI_STORAGE_DIR={os.environ['CREWAI_STORAGE_DIR']!r} names the folder"
+            )
+    else:
+        out.fact("source", where.source)
+    for path in _local_files(where, out):
+        _mode_facts(path, out)
+
+
+def _local_files(where: _Where, out: _Report) -> list[Path]:
+    from ._url import local_path
+
+    if where.url is None:
+        from .integration._config import default_ledger_path
+
+        path: Path | None = default_ledger_path()
+        scheme = "sqlite"
+    else:
+        scheme = urlsplit(where.url).scheme.lower()
+        try:
+            path = local_path(where.url)
+        except ValueError as exc:
+            out.problem("url", str(exc))
+            return []
+    if path is None:
+        return []
+    if scheme == "sqlite":
+        return [path.parent, path, *(Path(f"{path}{suffix}") for suffix in ("-wal", "-shm"))]
+    return [path, path / "records", path / "locks"]
+
+
+def _mode_facts(path: Path, out: _Report) -> None:
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        if not path.name.endswith(("-wal", "-shm")):
+            out.problem("file", f"{path} does not exist")
+        return
+    except OSError as exc:
+        out.problem("file", f"{path}: {exc}")
+        return
+    mode = stat.S_IMODE(info.st_mode)
+    owner = "you" if info.st_uid == os.geteuid() else f"uid {info.st_uid}"
+    text = f"{path}  {stat.filemode(info.st_mode)} ({mode:04o}), owner {owner}"
+    if stat.S_ISLNK(info.st_mode):
+        out.problem("file", f"{text}: a symlink (refused unless allow_insecure_path)")
+    elif info.st_mode & _UNSAFE_BITS:
+        out.problem("file", f"{text}: writable by group or others")
+    else:
+        out.fact("file", text)
+
+
+def _open_facts(where: _Where, out: _Report) -> None:
+    from ._record import Status
+
+    try:
+        ledger = where.ledger()
+        counts = {status: 0 for status in Status}
+        for record in ledger.records():
+            counts[record.status] += 1
+    except click.ClickException as exc:
+        out.problem("reachable", exc.format_message())
+        return
+    except Exception as exc:  # noqa: BLE001 - any failure to read is what doctor reports
+        out.problem("reachable", f"no: {type(exc).__name__}: {exc}")
+        return
+    summary = ", ".join(f"{counts[s]} {s.value.lower()}" for s in Status)
+    out.fact("reachable", f"yes: {ledger.backend!r}; {summary}")
+    if counts[Status.UNCERTAIN]:
+        out.fact("", "uncertain records wait for a decision: ls --status uncertain")
+    _durability_facts(ledger.backend, out)
+
+
+def _durability_facts(backend: Any, out: _Report) -> None:
+    kind = type(backend).__name__
+    if kind == "SQLiteCacheBackend":
+        level = getattr(backend, "synchronous", "?")
+        note = {
+            "FULL": "survives power loss",
+            "EXTRA": "survives power loss",
+            "NORMAL": "survives a crashed process; the last commits may be lost on power loss",
+        }.get(level, "")
+        out.fact("durability", f"synchronous={level}: {note}")
+    elif kind == "FileLockCacheBackend":
+        fsync = getattr(backend, "fsync", None)
+        if fsync:
+            out.fact("durability", "fsync=true: survives power loss")
+        else:
+            out.fact("durability", "fsync=false: survives a crashed process, not power loss")
+    elif kind == "RedisCacheBackend":
+        _redis_durability(backend, out)
+    elif kind == "PostgresCacheBackend":
+        out.fact(
+            "durability",
+            "PostgreSQL commits are durable with the server's fsync=on and "
+            "synchronous_commit=on (its defaults)",
+        )
+    elif kind == "InMemoryCacheBackend":
+        out.problem("durability", "in memory: not durable, not shared (tests only)")
+
+
+def _redis_durability(backend: Any, out: _Report) -> None:
+    from ._redis import persistence_problem
+
+    try:
+        config: dict[str, str] = {}
+        for name in ("appendonly", "appendfsync", "save"):
+            config.update(backend.client.config_get(name))
+    except Exception as exc:  # noqa: BLE001 - managed Redis often refuses CONFIG
+        out.fact("durability", f"unknown: CONFIG GET refused ({type(exc).__name__})")
+        return
+    problem = persistence_problem(config)
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(config.items()))
+    if problem:
+        out.problem("durability", f"{settings}: {problem}")
+    else:
+        out.fact("durability", settings)
+
+
+def _crewai_facts(out: _Report) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .integration._patch import SUPPORTED, _version_tuple
+
+    low, high = (".".join(map(str, bound)) for bound in SUPPORTED)
+    try:
+        installed = version("crewai")
+    except PackageNotFoundError:
+        out.fact("crewai", f"not installed (the integration supports >={low},<{high})")
+        return
+    parsed = _version_tuple(installed)
+    if parsed is not None and SUPPORTED[0] <= parsed < SUPPORTED[1]:
+        out.fact("crewai", f"{installed}: supported (>={low},<{high})")
+    else:
+        out.problem("crewai", f"{installed}: outside the supported range >={low},<{high}")
+
+
+def _activation_facts(out: _Report) -> None:
+    from ._autoload import autoload_enabled
+
+    pth = [
+        Path(entry) / "crewai_idempotent_autoload.pth"
+        for entry in sys.path
+        if entry and (Path(entry) / "crewai_idempotent_autoload.pth").is_file()
+    ]
+    if not pth:
+        out.problem(
+            "activation",
+            "the start-up hook (crewai_idempotent_autoload.pth) is not installed in this "
+            "environment: only programs that import crewai_idempotent are guarded",
+        )
+    elif autoload_enabled():
+        out.fact("activation", f"on: {pth[0]} activates the integration when crewai is imported")
+    else:
+        out.fact(
+            "activation",
+            "start-up hook off (CREWAI_IDEMPOTENT_AUTOLOAD); programs must import "
+            "crewai_idempotent, or use IdempotentTool / idempotent_tool, which refuse to run "
+            "unguarded",
+        )
