@@ -233,13 +233,14 @@ _EXTRAS = {"._postgres": "postgres", "._redis": "redis"}
 def _lazy(module: str, factory: str) -> Callable[[str], CacheBackend]:
     def build(url: str) -> CacheBackend:
         try:
-            loaded = importlib.import_module(module, __package__)
+            built: CacheBackend = getattr(importlib.import_module(module, __package__), factory)(
+                url
+            )
         except ImportError as exc:
             raise LedgerConfigurationError(
                 f"{redact(url)}: this backend needs its client library ({exc}); install "
                 f"'crewai-idempotent[{_EXTRAS[module]}]'"
             ) from exc
-        built: CacheBackend = getattr(loaded, factory)(url)
         return built
 
     return build

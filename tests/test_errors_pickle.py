@@ -1,0 +1,106 @@
+"""Every public error survives pickle: Celery and multiprocessing send exceptions that way."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+from typing import Any
+
+import pytest
+
+import crewai_idempotent
+from crewai_idempotent import Owner, Record, Status
+from crewai_idempotent.integration import UnsupportedCrewAIVersion
+
+RECORD = Record(
+    key="pay:1",
+    status=Status.PENDING,
+    fingerprint="f" * 64,
+    token=2,
+    revision=3,
+    owner=Owner("host", 42, "abcdef012345"),
+    attempts=1,
+    created_at=1.0,
+    updated_at=2.0,
+)
+
+# How to build each public error; a new public error without an entry fails the test.
+EXAMPLES: dict[str, Any] = {
+    "IdempotencyError": lambda cls: cls("base"),
+    "InvalidIdempotencyKey": lambda cls: cls("blank key"),
+    "IdempotencyKeyConflict": lambda cls: cls("pay:1", "a" * 64, "b" * 64),
+    "OperationInProgress": lambda cls: cls("pay:1", RECORD, 2.5),
+    "OutcomeUncertain": lambda cls: cls("pay:1", RECORD, "the provider timed out"),
+    "LedgerUnavailable": lambda cls: cls("disk full"),
+    "LedgerConfigurationError": lambda cls: cls("bad URL"),
+    "ResolutionRefused": lambda cls: cls("COMMITTED"),
+    "GuardInactive": lambda cls: cls("not installed"),
+    "OutcomeUnknown": lambda cls: cls("maybe"),
+    "BodyFailed": lambda cls: cls("pay:1", "FAILED", "card declined", RECORD),
+}
+
+
+def _public_errors() -> list[type[BaseException]]:
+    found = {
+        name: getattr(crewai_idempotent, name)
+        for name in crewai_idempotent.__all__
+        if isinstance(getattr(crewai_idempotent, name), type)
+        and issubclass(getattr(crewai_idempotent, name), BaseException)
+        and not issubclass(getattr(crewai_idempotent, name), Warning)
+    }
+    import crewai_idempotent._errors as errors
+
+    for value in vars(errors).values():  # errors added to the module count too
+        if (
+            isinstance(value, type)
+            and issubclass(value, BaseException)
+            and value.__module__ == errors.__name__
+        ):
+            found.setdefault(value.__name__, value)
+    return sorted(found.values(), key=lambda cls: cls.__name__)
+
+
+def _build(cls: type[BaseException]) -> BaseException:
+    maker = EXAMPLES.get(cls.__name__)
+    if maker is not None:
+        return maker(cls)  # type: ignore[no-any-return]
+    # An error added since: try the shapes the others take, most specific first.
+    for args in (("pay:1", RECORD, "reason"), ("pay:1", RECORD), ("message",)):
+        try:
+            return cls(*args)
+        except TypeError:
+            continue
+    pytest.fail(f"add an example for {cls.__name__} to EXAMPLES")
+
+
+def _same(a: BaseException, b: BaseException) -> None:
+    assert type(a) is type(b)
+    assert str(a) == str(b)
+    assert a.args == b.args
+    assert vars(a) == vars(b)
+
+
+@pytest.mark.parametrize("cls", _public_errors(), ids=lambda cls: cls.__name__)
+def test_every_public_error_pickles(cls: type[BaseException]) -> None:
+    error = _build(cls)
+    error.__notes__ = ["a note"]  # type: ignore[attr-defined]
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        _same(error, pickle.loads(pickle.dumps(error, protocol)))
+
+
+def test_unsupported_crewai_version_pickles() -> None:
+    error = UnsupportedCrewAIVersion("crewai 2.0")
+    _same(error, pickle.loads(pickle.dumps(error)))
+
+
+def _raise_conflict(_: int) -> None:
+    raise crewai_idempotent.IdempotencyKeyConflict("pay:1", "a" * 64, "b" * 64)
+
+
+def test_an_error_crosses_a_process_pool() -> None:
+    with (
+        multiprocessing.get_context("spawn").Pool(1) as pool,
+        pytest.raises(crewai_idempotent.IdempotencyKeyConflict) as caught,
+    ):
+        pool.map(_raise_conflict, [1])
+    assert caught.value.key == "pay:1" and caught.value.fingerprint == "b" * 64

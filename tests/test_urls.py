@@ -1,0 +1,133 @@
+"""Ledger URLs by the ecosystem's conventions: SQLAlchemy for sqlite:, RFC 8089 for file:,
+and no option a URL carries is ever ignored."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from crewai_idempotent import (
+    FileLockCacheBackend,
+    InMemoryCacheBackend,
+    LedgerConfigurationError,
+    SQLiteCacheBackend,
+    backend_from_url,
+)
+from crewai_idempotent._url import file_url, redact, sqlite_url
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    work.mkdir(mode=0o700)
+    monkeypatch.chdir(work)
+    return work
+
+
+def test_three_slashes_are_relative_four_are_absolute(in_tmp: Path, tmp_path: Path) -> None:
+    relative = backend_from_url("sqlite:///ledger.db")
+    assert isinstance(relative, SQLiteCacheBackend)
+    assert relative.path == in_tmp / "ledger.db" and relative.path.is_file()
+    nested = backend_from_url("sqlite:///data/ledger.db")
+    assert isinstance(nested, SQLiteCacheBackend) and nested.path == in_tmp / "data" / "ledger.db"
+    absolute = backend_from_url(f"sqlite:///{tmp_path / 'abs.db'}")  # sqlite:////tmp/...
+    assert isinstance(absolute, SQLiteCacheBackend) and absolute.path == tmp_path / "abs.db"
+    spaced = backend_from_url(sqlite_url(tmp_path / "a b.db"))
+    assert isinstance(spaced, SQLiteCacheBackend) and spaced.path == tmp_path / "a b.db"
+    for backend in (relative, nested, absolute, spaced):
+        backend.close()
+
+
+def test_an_old_absolute_url_is_refused_rather_than_starting_an_empty_ledger(
+    in_tmp: Path, tmp_path: Path
+) -> None:
+    existing = SQLiteCacheBackend(tmp_path / "old.db")
+    existing.close()
+    old_style = f"sqlite://{tmp_path / 'old.db'}"  # three slashes: /tmp/... before 0.2
+    with pytest.raises(LedgerConfigurationError, match="four slashes") as caught:
+        backend_from_url(old_style)
+    assert f"sqlite:///{tmp_path / 'old.db'}" in str(caught.value)
+    assert list(in_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite://", "names no file"),
+        ("sqlite:///", "names no file"),
+        ("sqlite:///:memory:", "in-memory SQLite database"),
+        ("sqlite://host/ledger.db", "a sqlite URL has no host"),
+        ("file://ledger/dir", "read as a host name.*file:///ledger/dir"),
+        ("file:ledger", "file URLs are absolute"),
+        ("file:///", "names no folder"),
+        ("memory://name", "takes no name or path"),
+        ("ledger.db", "no URL scheme.*sqlite:///ledger.db"),
+        ("mysql://db/x", "unknown ledger URL scheme 'mysql'"),
+    ],
+)
+def test_malformed_urls_are_refused(in_tmp: Path, url: str, message: str) -> None:
+    with pytest.raises(LedgerConfigurationError, match=message):
+        backend_from_url(url)
+    assert list(in_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "synchronus=NORMAL",  # misspelt
+        "synchronous=NORMAL&synchronous=FULL",  # given twice
+        "allow_insecure_path=maybe",
+        "busy_timeout_s=-1",
+        "synchronous=OFF",
+    ],
+)
+def test_sqlite_options_are_checked(in_tmp: Path, query: str) -> None:
+    with pytest.raises(LedgerConfigurationError):
+        backend_from_url(f"sqlite:///ledger.db?{query}")
+    assert list(in_tmp.iterdir()) == []
+
+
+def test_sqlite_options_are_applied(in_tmp: Path) -> None:
+    backend = backend_from_url("sqlite:///l.db?synchronous=normal&busy_timeout_s=2.5")
+    assert isinstance(backend, SQLiteCacheBackend)
+    assert (backend.synchronous, backend.busy_timeout_s) == ("NORMAL", 2.5)
+    backend.close()
+
+
+def test_file_urls_follow_rfc_8089(tmp_path: Path) -> None:
+    folder = tmp_path / "ledger"
+    for url in (f"file://{folder}", f"file://localhost{folder}", file_url(folder)):
+        backend = backend_from_url(url)
+        assert isinstance(backend, FileLockCacheBackend) and backend.directory == folder
+        backend.close()
+    nosync = backend_from_url(f"file://{folder}?fsync=false")
+    assert isinstance(nosync, FileLockCacheBackend) and nosync.fsync is False
+    with pytest.raises(LedgerConfigurationError, match="unknown option 'fsnyc'"):
+        backend_from_url(f"file://{folder}?fsnyc=false")
+
+
+def test_memory_takes_no_options() -> None:
+    assert isinstance(backend_from_url("memory://"), InMemoryCacheBackend)
+    with pytest.raises(LedgerConfigurationError, match="unknown option 'durable'"):
+        backend_from_url("memory://?durable=yes")
+
+
+def test_a_missing_client_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "crewai_idempotent._redis", raising=False)
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(LedgerConfigurationError, match=r"crewai-idempotent\[redis\]"):
+        backend_from_url("redis://:pw@localhost:6379/0")
+
+
+def test_redact() -> None:
+    assert redact("postgresql://app:s3cret@db/x?sslmode=require") == (
+        "postgresql://app:***@db/x?sslmode=require"
+    )
+    assert redact("redis://:s3cret@cache:6379/0") == "redis://:***@cache:6379/0"
+    assert "s3cret" not in redact("postgresql://db/x?password=s3cret&sslmode=require")
+    assert redact("sqlite:///ledger.db") == "sqlite:///ledger.db"
+    assert redact("sqlite:////abs/ledger.db?synchronous=NORMAL") == (
+        "sqlite:////abs/ledger.db?synchronous=NORMAL"
+    )
