@@ -69,7 +69,12 @@ def _explain_inactive() -> None:
 
     def tool(*args: object, **kwargs: object) -> object:
         given = sorted(k for k in kwargs if k in OPTION_NAMES)
-        if given:  # once installed, the integration's decorator takes them before this
+        current = base_tool_module.tool
+        if given and current is not tool:
+            # Installed since this was imported by name: the integration's decorator takes
+            # the options (and calls this one without them).
+            return current(*args, **kwargs)
+        if given:
             raise TypeError(
                 f"@tool() got the crewai-idempotent option(s) {', '.join(given)}, but the "
                 "integration is not active: CREWAI_IDEMPOTENT_AUTOLOAD switched its start-up "

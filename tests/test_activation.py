@@ -1,0 +1,217 @@
+"""Activation: an explicit import always activates; CREWAI_IDEMPOTENT_AUTOLOAD=0 switches off
+only the start-up hook, and never leaves a bare TypeError; the strict tool forms refuse to
+run unguarded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crewai_idempotent import GuardInactive, InMemoryCacheBackend, configure, install, uninstall
+from tests.crewai_support.fixtures import REPO, subprocess_env
+from tests.crewai_support.provider import FakeProvider
+
+pytest_plugins = ["tests.crewai_support.fixtures"]
+pytestmark = pytest.mark.usefixtures("isolated_crewai")
+
+
+def _run(program: str, **env: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=REPO,
+        env=subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+CHARGE_TWICE = """
+from crewai_idempotent import InMemoryCacheBackend, configure
+configure(backend=InMemoryCacheBackend())
+charges = []
+
+@tool("charge", idempotent=True, idempotency_key="pay:{invoice}")
+def charge(invoice: str) -> str:
+    '''Charge.'''
+    charges.append(invoice)
+    return "ch_" + invoice
+
+charge.run(invoice="1")
+charge.run(invoice="1")
+"""
+
+
+def test_import_activates_with_the_start_up_hook_switched_off() -> None:
+    after_crewai = _run(
+        "import json, crewai\nfrom crewai.tools import tool\nimport crewai_idempotent\n"
+        + CHARGE_TWICE
+        + "from crewai_idempotent.integration import is_installed\n"
+        "print(json.dumps({'installed': is_installed(), 'charges': len(charges)}))",
+        CREWAI_IDEMPOTENT_AUTOLOAD="0",
+    )
+    assert after_crewai == {"installed": True, "charges": 1}
+    before_crewai = _run(
+        "import json, crewai_idempotent\nfrom crewai.tools import tool\n"
+        + CHARGE_TWICE
+        + "print(json.dumps({'charges': len(charges)}))",
+        CREWAI_IDEMPOTENT_AUTOLOAD="off",
+    )
+    assert before_crewai == {"charges": 1}
+
+
+def test_switched_off_tool_options_fail_with_an_explanation() -> None:
+    report = _run(
+        """
+import json, sys
+from crewai.tools import tool, BaseTool
+import crewai.tools.base_tool
+report = {"loaded": "crewai_idempotent" in sys.modules}
+try:
+    tool("x", idempotent=True)
+except TypeError as exc:
+    report["error"] = str(exc)
+try:
+    crewai.tools.base_tool.tool("x", idempotency_key="k")
+except TypeError as exc:
+    report["error2"] = str(exc)
+
+@tool("plain")
+def plain(a: int) -> int:
+    '''Plain.'''
+    return a
+
+report["plain"] = plain.run(a=2)
+print(json.dumps(report))
+""",
+        CREWAI_IDEMPOTENT_AUTOLOAD="0",
+    )
+    assert report["loaded"] is False  # crewai was left alone
+    assert "not active" in report["error"] and "import crewai_idempotent" in report["error"]
+    assert "idempotency_key" in report["error2"]
+    assert report["plain"] == 2
+
+
+def test_the_hint_knows_every_tool_option() -> None:
+    from _crewai_idempotent_autoload import OPTION_NAMES as HOOK_NAMES
+    from crewai_idempotent.integration._config import OPTION_NAMES
+
+    assert set(HOOK_NAMES) == set(OPTION_NAMES)
+
+
+def test_idempotent_tool_refuses_to_run_unguarded(charges: FakeProvider) -> None:
+    from crewai_idempotent import IdempotentTool
+
+    configure(backend=InMemoryCacheBackend())
+
+    class Charge(IdempotentTool):
+        name: str = "charge_strict"
+        description: str = "Charge once."
+        idempotency_key: str = "strict:{invoice}"
+        provider_path: str
+
+        def _run(self, invoice: str) -> str:
+            return FakeProvider(self.provider_path).charge(5, "alice", invoice=invoice)
+
+    tool = Charge(provider_path=str(charges.path))
+    assert tool.run(invoice="i-1") == tool.run(invoice="i-1")
+    assert charges.count() == 1
+
+    uninstall()
+    try:
+        with pytest.raises(GuardInactive, match="must only run guarded"):
+            tool.run(invoice="i-2")
+        with pytest.raises(GuardInactive):
+            Charge(provider_path=str(charges.path))._run(invoice="i-3")
+        assert charges.count() == 1
+    finally:
+        install()
+    assert tool.run(invoice="i-2") == tool.run(invoice="i-2")
+    assert charges.count() == 2
+
+    with pytest.raises(ValueError, match="idempotent"):
+        Charge(provider_path=str(charges.path), idempotent=False)
+
+
+def test_idempotent_tool_async(charges: FakeProvider) -> None:
+    import asyncio
+
+    from crewai_idempotent import IdempotentTool
+
+    configure(backend=InMemoryCacheBackend())
+
+    class AsyncCharge(IdempotentTool):
+        name: str = "charge_async_strict"
+        description: str = "Charge once."
+        provider_path: str
+
+        def _run(self, invoice: str) -> str:
+            raise NotImplementedError
+
+        async def _arun(self, invoice: str) -> str:
+            return FakeProvider(self.provider_path).charge(5, "bob", invoice=invoice)
+
+    tool = AsyncCharge(provider_path=str(charges.path))
+    first = asyncio.run(tool.arun(invoice="a"))
+    assert asyncio.run(tool.arun(invoice="a")) == first and charges.count() == 1
+    uninstall()
+    try:
+        with pytest.raises(GuardInactive):
+            asyncio.run(tool.arun(invoice="b"))
+    finally:
+        install()
+    assert charges.count() == 1
+
+
+def test_idempotent_tool_decorator_is_always_guarded(charges: FakeProvider) -> None:
+    from crewai_idempotent import idempotent_tool
+
+    configure(backend=InMemoryCacheBackend())
+
+    @idempotent_tool("charge_decorated", idempotency_key="dec:{invoice}")
+    def charge(invoice: str) -> str:
+        """Charge once."""
+        return charges.charge(5, "carol", invoice=invoice)
+
+    assert charge.run(invoice="1") == charge.run(invoice="1")
+    uninstall()
+    try:  # the tool carries its guard: still one charge
+        assert charge.run(invoice="1") == charge.run(invoice="1")
+    finally:
+        install()
+    assert charges.count() == 1
+    with pytest.raises(ValueError, match="drop idempotent=False"):
+        idempotent_tool("x", idempotent=False)
+
+
+def test_strict_forms_activate_even_when_switched_off(tmp_path: Path) -> None:
+    provider = tmp_path / "provider.jsonl"
+    report = _run(
+        f"""
+import json
+from crewai_idempotent import IdempotentTool, InMemoryCacheBackend, configure
+from tests.crewai_support.provider import FakeProvider
+configure(backend=InMemoryCacheBackend())
+
+class Charge(IdempotentTool):
+    name: str = "charge"
+    description: str = "Charge once."
+
+    def _run(self, invoice: str) -> str:
+        return FakeProvider({str(provider)!r}).charge(5, "dan", invoice=invoice)
+
+tool = Charge()
+tool.run(invoice="1")
+tool.run(invoice="1")
+print(json.dumps({{"charges": FakeProvider({str(provider)!r}).count()}}))
+""",
+        CREWAI_IDEMPOTENT_AUTOLOAD="0",
+    )
+    assert report == {"charges": 1}
