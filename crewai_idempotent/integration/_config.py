@@ -28,7 +28,6 @@ from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._keys import fingerprint as _fingerprint
 from .._ledger import Ledger, StalePolicy
-from .._url import backend_from_url, redact
 
 if TYPE_CHECKING:
     from .._reconcile import Verdict
@@ -230,6 +229,8 @@ def ledger_for(backend: CacheBackend) -> Ledger:
 def _backend_from(value: CacheBackend | str) -> CacheBackend:
     if isinstance(value, CacheBackend):
         return value
+    from .._url import backend_from_url  # on first use: it pulls in nothing at activation
+
     with _lock:
         backend = _url_backends.get(value)
         if backend is None:
@@ -252,6 +253,8 @@ def env_backend() -> CacheBackend | None:
     """The ledger CREWAI_IDEMPOTENCY_URL names, or None if it is unset or blank.
 
     `LedgerConfigurationError` naming the variable if it cannot be used."""
+    from .._url import redact
+
     url = os.environ.get(URL_ENV, "").strip()
     if not url:
         return None
