@@ -5,6 +5,13 @@ holder when the key is taken, so a claim and a replay each cost one round trip. 
 transition is one `UPDATE ... WHERE key AND token AND revision` (a compare-and-set on the
 fencing token). Connections come from a `psycopg_pool.ConnectionPool`.
 
+Every operation is bounded on the client, whatever the server does. `statement_timeout`
+is enforced by the server, so it cannot fire when the server is frozen (SIGSTOP, a hung
+host) or the network drops packets: the kernel at the far end may still acknowledge TCP,
+so keepalives and TCP_USER_TIMEOUT do not help either. A watchdog thread shuts down the
+socket of a connection whose statements run past their deadline; the blocked read then
+returns, and the connection is discarded.
+
 Leases and TTLs are measured on the server's clock: the backend reads the server's time
 when it opens a connection and at most every `clock_refresh_s` afterwards, and counts the
 local monotonic clock forward from that reading. A claim costs no extra round trip for
@@ -16,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import select
+import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import urlunsplit
@@ -29,7 +37,7 @@ try:
     import psycopg
     from psycopg import errors as pg_errors
     from psycopg.conninfo import conninfo_to_dict
-    from psycopg.pq import ConnStatus
+    from psycopg.pq import Conninfo, ConnStatus
     from psycopg_pool import ConnectionPool, PoolTimeout
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
@@ -37,11 +45,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "install them with: pip install 'crewai-idempotent[postgres]'"
     ) from exc
 
+from . import _fork
 from ._backend import CacheBackend
 from ._clock import ServerClock
 from ._errors import LedgerUnavailable
 from ._record import Record, Status
-from ._url import split_options
+from ._server_url import split_server_options
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -51,6 +60,9 @@ SCHEMA_VERSION = 1
 DEFAULT_TABLE = "crewai_idempotency_records"
 #: One row per ledger table: (table_name, version). Lives in the same schema as the table.
 VERSIONS_TABLE = "crewai_idempotency_schema"
+# How long past a statement's deadline the client waits before it cuts the connection:
+# long enough for the server's own statement_timeout (same length) to answer cleanly.
+_GRACE_S = 0.25
 # pg_advisory_xact_lock key that serialises migrations of every crewai-idempotent table.
 _MIGRATION_LOCK = int.from_bytes(
     hashlib.sha256(b"crewai-idempotent migrate").digest()[:8], "big", signed=True
@@ -159,7 +171,7 @@ class PostgresCacheBackend(CacheBackend):
         self._clock = ServerClock("PostgreSQL", self._read_clock, clock_refresh_s)
         self._closed = False
         self._reset_process_state()
-        _instances.add(self)
+        _fork.register(self)
 
     def __repr__(self) -> str:
         return f"PostgresCacheBackend({self.where!r}, table={self._sql.label!r})"
@@ -170,7 +182,7 @@ class PostgresCacheBackend(CacheBackend):
         """Fresh per-process state. After fork() the parent's pool must never be used:
         its sockets are shared with the parent and its worker threads are gone."""
         if inherited and self._given_pool is None and self._pool is not None:
-            _abandoned.append(self._pool)  # never closed here: that would end the parent's sessions
+            _abandon(self._pool)
         self._inherited = inherited
         self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = None
@@ -178,6 +190,17 @@ class PostgresCacheBackend(CacheBackend):
         self._degraded = False
         self._direct = threading.BoundedSemaphore(2)
         self._clock.after_fork()
+
+    # -- fork() (see _fork) ------------------------------------------------------------
+
+    def before_fork(self) -> None:
+        pass  # nothing to quiesce: the child never touches what the parent holds
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        self._reset_process_state(inherited=True)
 
     def _pool_here(self) -> ConnectionPool[Any]:
         pool = self._pool
@@ -215,124 +238,194 @@ class PostgresCacheBackend(CacheBackend):
     def _connect_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "autocommit": True,
-            "connect_timeout": max(2, round(self.connect_timeout_s)),
+            # libpq counts whole seconds, at least 2; the caller's wait is bounded anyway
+            "connect_timeout": max(2, math.ceil(self.connect_timeout_s)),
         }
         if "application_name" not in conninfo_to_dict(self._conninfo):
             kwargs["application_name"] = "crewai-idempotent"
         return kwargs
 
-    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+    def _configure(self, conn: psycopg.Connection[Any], by: float | None = None) -> None:
         """Every new connection: set the statement timeout and read the server clock,
-        in one round trip."""
+        in one round trip, within connect_timeout_s (or by `by`, if sooner)."""
+        deadline = time.monotonic() + self.connect_timeout_s
+        guard = _watchdog.arm(conn, min(deadline, by or deadline))
         sent = time.monotonic()
-        row = conn.execute(
-            "SELECT set_config('statement_timeout', %s, false), "
-            "extract(epoch from clock_timestamp())::float8",
-            (f"{round(self.statement_timeout_s * 1000)}ms",),
-        ).fetchone()
+        try:
+            row = conn.execute(
+                "SELECT set_config('statement_timeout', %s, false), "
+                "extract(epoch from clock_timestamp())::float8",
+                (f"{round(self.statement_timeout_s * 1000)}ms",),
+            ).fetchone()
+        except BaseException:
+            if _watchdog.disarm(guard):
+                conn.close()
+            raise
+        if _watchdog.disarm(guard):
+            conn.close()  # never hand out a connection whose socket was being cut
+            raise psycopg.OperationalError("the new connection was cut: it answered too late")
         assert row is not None
         self._clock.record(float(row[1]), sent, time.monotonic())
 
-    def _run(self, what: str, op: Callable[[psycopg.Connection[Any], bool], T], resent: bool) -> T:
+    def _run(
+        self,
+        what: str,
+        op: Callable[[psycopg.Connection[Any], bool], T],
+        resent: bool,
+        budget: _Budget,
+    ) -> T:
         pool = self._pool or self._pool_here()
-        conn = self._checkout(pool, what)
-        if conn is None:
-            # A bridge while the pool reconnects, not a way around max_size: at most two
-            # direct connections at a time, however many threads are waiting.
-            if not self._direct.acquire(timeout=self.timeout_s):
-                raise LedgerUnavailable(
-                    f"no connection to PostgreSQL at {self.where} within {self.timeout_s} s "
-                    f"while {what}: the pool is reconnecting or all its connections are busy"
-                )
+        conn = self._checkout(pool, what, budget)
+        if conn is not None:
             try:
-                conn = self._connect_directly(what)
-                try:
-                    return op(conn, resent)
-                finally:
-                    conn.close()
+                return self._use(conn, what, op, resent, budget)
             finally:
-                self._direct.release()
+                pool.putconn(conn)  # the pool drops a connection that broke or was cut
+        # A bridge while the pool reconnects, not a way around max_size: at most two
+        # direct connections at a time, however many threads are waiting.
+        if not self._direct.acquire(timeout=max(budget.connect_by - time.monotonic(), 0.0)):
+            raise LedgerUnavailable(
+                f"no connection to PostgreSQL at {self.where} within timeout_s="
+                f"{self.timeout_s} while {what}: the pool is reconnecting or all its "
+                "connections are busy"
+            )
+        conn = self._connect_directly(what, budget)  # releases _direct when it fails
         try:
-            if conn.autocommit:
-                return op(conn, resent)
-            with conn:  # a pool passed in may hand out connections that open transactions
-                return op(conn, resent)
+            return self._use(conn, what, op, resent, budget)
         finally:
-            pool.putconn(conn)
+            conn.close()
+            self._direct.release()
 
-    def _checkout(self, pool: ConnectionPool[Any], what: str) -> psycopg.Connection[Any] | None:
+    def _use(
+        self,
+        conn: psycopg.Connection[Any],
+        what: str,
+        op: Callable[[psycopg.Connection[Any], bool], T],
+        resent: bool,
+        budget: _Budget,
+    ) -> T:
+        """Run `op` on `conn` within statement_timeout_s (and the operation's budget),
+        enforced here as well as on the server."""
+        deadline = min(time.monotonic() + self.statement_timeout_s, budget.done_by)
+        guard = _watchdog.arm(conn, deadline + _GRACE_S)
+        try:
+            if not self._schema_ready:
+                self._ensure_schema(conn)
+            if conn.autocommit:
+                result = op(conn, resent)
+            else:
+                with conn:  # a pool passed in may hand out connections that open transactions
+                    result = op(conn, resent)
+        except psycopg.Error as exc:
+            if _watchdog.disarm(guard):
+                conn.close()
+                raise LedgerUnavailable(
+                    f"PostgreSQL at {self.where} did not answer within statement_timeout_s="
+                    f"{self.statement_timeout_s} while {what} (a frozen or overloaded server, "
+                    "or a network that drops packets); the connection was dropped"
+                ) from exc
+            raise
+        except BaseException:
+            if _watchdog.disarm(guard):
+                conn.close()
+            raise
+        if _watchdog.disarm(guard):
+            conn.close()  # the answer came in time, but the socket was being cut
+        return result
+
+    def _checkout(
+        self, pool: ConnectionPool[Any], what: str, budget: _Budget
+    ) -> psycopg.Connection[Any] | None:
         """A live pooled connection, or None when the pool has none to give in time."""
-        # While the pool is reconnecting, take a ready connection if there is one, else
-        # go direct at once rather than wait out the pool's back-off on every call.
-        timeout = 0.02 if self._degraded else self.timeout_s
-        deadline = time.monotonic() + timeout
+        if self._degraded:
+            # While the pool is reconnecting, take a ready connection if there is one,
+            # else go direct at once rather than wait out the pool's back-off every call.
+            until = time.monotonic() + 0.02
+        else:
+            # Keep time for a direct attempt, which names the cause if the server is gone.
+            until = budget.connect_by - min(self.connect_timeout_s, self.timeout_s / 2)
         while True:
             try:
-                conn = pool.getconn(timeout=max(deadline - time.monotonic(), 0.01))
+                conn = pool.getconn(timeout=max(until - time.monotonic(), 0.01))
             except PoolTimeout:
                 return None
             except psycopg.Error as exc:  # e.g. the pool was closed under us
                 raise LedgerUnavailable(self._explain(exc, what)) from exc
             if _alive(conn):
                 self._degraded = False
-                if not self._schema_ready:
-                    try:
-                        self._ensure_schema(conn)
-                    except BaseException:
-                        pool.putconn(conn)
-                        raise
                 return conn
             # An idle connection the server already closed (it restarted, or an admin
             # ended the session): drop it, and take the next without a round trip lost.
             conn.close()
             pool.putconn(conn)
 
-    def _connect_directly(self, what: str) -> psycopg.Connection[Any]:
+    def _connect_directly(self, what: str, budget: _Budget) -> psycopg.Connection[Any]:
         """One connection outside the pool, used while the pool cannot provide one.
 
         The pool reconnects in the background with a growing back-off; meanwhile this
         gives the caller the specific reason the server is unreachable, or, once it is
         back, serves the call at once instead of waiting for the pool's next attempt.
+        libpq's connect_timeout counts whole seconds per host address, so the attempt
+        runs in a thread that the caller stops waiting for when its time is up. Holds
+        `_direct` (taken by the caller) until the connection is closed; releases it
+        itself when it raises.
         """
         pool = self._pool_here()
         conninfo = pool.conninfo if isinstance(pool.conninfo, str) else self._conninfo
         kwargs = dict(pool.kwargs) if isinstance(pool.kwargs, dict) else {}
-        kwargs.setdefault("connect_timeout", max(2, round(self.connect_timeout_s)))
+        kwargs.setdefault("connect_timeout", max(2, math.ceil(self.connect_timeout_s)))
+        attempt = _Connecting(conninfo, kwargs, self._direct)
+        wait = min(self.connect_timeout_s, budget.connect_by - time.monotonic())
         try:
-            conn = psycopg.connect(conninfo, **kwargs)
+            conn = attempt.result(max(wait, 0.01))
         except psycopg.Error as exc:
             self._degraded = True
             raise LedgerUnavailable(
                 f"cannot reach PostgreSQL at {self.where} while {what} (no pooled connection "
-                f"within {self.timeout_s} s; a direct attempt failed): {_one_line(exc)}"
+                f"in time; a direct attempt failed): {_one_line(exc)}"
             ) from exc
+        except TimeoutError:
+            self._degraded = True
+            raise LedgerUnavailable(
+                f"cannot reach PostgreSQL at {self.where} while {what}: no connection within "
+                f"timeout_s={self.timeout_s} (connect_timeout_s={self.connect_timeout_s}); "
+                "the server does not answer (frozen, overloaded, or the network drops packets)"
+            ) from None
         self._degraded = True
         try:
             if not conn.autocommit:
                 conn.autocommit = True
-            self._configure(conn)
-            if not self._schema_ready:
-                self._ensure_schema(conn)
-        except BaseException:
+            self._configure(conn, budget.done_by)
+        except BaseException as exc:
             conn.close()
+            self._direct.release()
+            if isinstance(exc, psycopg.Error):
+                raise LedgerUnavailable(
+                    f"cannot reach PostgreSQL at {self.where} while {what}: a new connection "
+                    f"did not answer within connect_timeout_s={self.connect_timeout_s}: "
+                    f"{_one_line(exc)}"
+                ) from exc
             raise
         return conn
 
     def _call(
         self, what: str, op: Callable[[psycopg.Connection[Any], bool], T], *, retry: bool
     ) -> T:
-        """Run `op(conn, resent)` on a connection. When a connection breaks under a
+        """Run `op(conn, resent)` on a connection, within timeout_s to get the connection
+        and statement_timeout_s for the statements. When a connection breaks under a
         statement and `retry` is set, `op` runs once more on another connection with
-        `resent=True`: the first statement may or may not have been applied."""
+        `resent=True` (the first statement may or may not have been applied), within
+        what is left of that time."""
+        budget = _Budget(self.timeout_s, self.statement_timeout_s)
         attempts = 2 if retry else 1
         for attempt in range(1, attempts + 1):
             try:
-                return self._run(what, op, attempt > 1)
+                return self._run(what, op, attempt > 1, budget)
             except LedgerUnavailable:
                 raise
             except psycopg.OperationalError as exc:
                 lost = not isinstance(exc, pg_errors.QueryCanceled)
-                if lost and attempt < attempts:
+                if lost and attempt < attempts and time.monotonic() < budget.connect_by:
                     log.info("PostgreSQL connection lost while %s; trying once more", what)
                     continue
                 raise LedgerUnavailable(self._explain(exc, what)) from exc
@@ -586,19 +679,162 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-# After fork(), every backend drops the pool it inherited (see _reset_process_state).
-_instances: weakref.WeakSet[PostgresCacheBackend] = weakref.WeakSet()
+class _Budget:
+    """The time one operation may take: until `connect_by` to get a connection (pooled,
+    or new), and until `done_by` in all, statements and a resend included."""
+
+    __slots__ = ("connect_by", "done_by")
+
+    def __init__(self, timeout_s: float, statement_timeout_s: float) -> None:
+        self.connect_by = time.monotonic() + timeout_s
+        self.done_by = self.connect_by + statement_timeout_s
+
+
+class _Guard:
+    __slots__ = ("conn", "deadline", "fired")
+
+    def __init__(self, conn: psycopg.Connection[Any], deadline: float) -> None:
+        self.conn = conn
+        self.deadline = deadline
+        self.fired = False
+
+
+class _Watchdog:
+    """Cuts the connections whose deadline passed while a statement was in flight.
+
+    `arm` before using a connection, `disarm` after: True means the socket was shut down
+    (the blocked call then fails, or its answer arrived just in time) and the connection
+    must be discarded. Shutting down a duplicate of the socket's descriptor ends the
+    connection for every descriptor sharing it, so the read that blocked returns at once;
+    the connection itself is closed by the thread that used it, never here. One thread
+    serves every backend in the process; it sleeps until the earliest deadline, and only
+    when nothing is armed does an `arm` need to wake it.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        _fork.register(self)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._armed: set[_Guard] = set()
+        self._wake_at: float | None = None  # None: asleep until an arm wakes it
+        self._thread: threading.Thread | None = None
+
+    def arm(self, conn: psycopg.Connection[Any], deadline: float) -> _Guard:
+        guard = _Guard(conn, deadline)
+        with self._cond:
+            self._armed.add(guard)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="crewai-idempotent-pg-watchdog", daemon=True
+                )
+                self._thread.start()
+            elif self._wake_at is None or deadline < self._wake_at:
+                self._cond.notify()
+        return guard
+
+    def disarm(self, guard: _Guard) -> bool:
+        with self._cond:
+            self._armed.discard(guard)
+            return guard.fired
+
+    def _watch(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for guard in [g for g in self._armed if g.deadline <= now]:
+                    self._armed.discard(guard)
+                    guard.fired = True
+                    _shut_down(guard.conn)
+                self._wake_at = min((g.deadline for g in self._armed), default=None)
+                self._cond.wait(None if self._wake_at is None else self._wake_at - now)
+
+    # A child has no watchdog thread, and must never cut a connection it inherited: the
+    # socket is the parent's too.
+    def before_fork(self) -> None:
+        pass
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        self._reset()
+
+
+def _shut_down(conn: psycopg.Connection[Any]) -> None:
+    try:
+        fd = conn.pgconn.socket
+        with socket.socket(fileno=os.dup(fd)) as dup:
+            dup.shutdown(socket.SHUT_RDWR)
+    except (OSError, psycopg.Error):
+        pass  # already closed: whatever was blocked on it has returned
+
+
+_watchdog = _Watchdog()
+
+
+class _Connecting:
+    """A connection attempt in a thread of its own, so that waiting for it can stop at
+    any moment. An attempt nobody waits for any more closes its connection, if it gets
+    one, and releases `slot` when it ends; otherwise the caller owns both."""
+
+    def __init__(
+        self, conninfo: str, kwargs: dict[str, Any], slot: threading.BoundedSemaphore
+    ) -> None:
+        self._conninfo, self._kwargs, self._slot = conninfo, kwargs, slot
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._abandoned = False
+        self._conn: psycopg.Connection[Any] | None = None
+        self._error: psycopg.Error | None = None
+        threading.Thread(
+            target=self._connect, name="crewai-idempotent-connect", daemon=True
+        ).start()
+
+    def _connect(self) -> None:
+        try:
+            conn: psycopg.Connection[Any] | None = psycopg.connect(self._conninfo, **self._kwargs)
+        except psycopg.Error as exc:
+            conn, self._error = None, exc
+        with self._lock:
+            self._conn = conn
+            self._done.set()
+            if not self._abandoned:
+                return
+        if conn is not None:
+            conn.close()
+        self._slot.release()
+
+    def result(self, wait_s: float) -> psycopg.Connection[Any]:
+        """The connection; psycopg.Error if the attempt failed; TimeoutError if it did not
+        end within `wait_s` (the attempt is abandoned)."""
+        self._done.wait(wait_s)
+        with self._lock:
+            if not self._done.is_set():
+                self._abandoned = True
+                raise TimeoutError
+        if self._conn is None:
+            self._slot.release()
+            assert self._error is not None
+            raise self._error
+        return self._conn
+
+
 _abandoned: list[ConnectionPool[Any]] = []
 
 
-def _after_fork_in_child() -> None:
-    for backend in list(_instances):
-        backend._reset_process_state(inherited=True)
+def _abandon(pool: ConnectionPool[Any]) -> None:
+    """Forget a pool inherited through fork() without touching its connections: closing
+    one would send Terminate on a socket the parent is using. psycopg does not close a
+    connection it collects in another process than the one that opened it, but the pool's
+    finalizer would signal worker threads that the child does not have; so the pool is
+    kept referenced and marked closed, which makes its finalizer do nothing."""
+    _abandoned.append(pool)
+    pool._closed = True
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
+# URL options: the backend's own, and libpq's connection parameters (passed through).
 _OPTIONS: dict[str, Callable[[str], Any]] = {
     "table": str,
     "schema": str,
@@ -609,10 +845,19 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "statement_timeout_s": float,
     "clock_refresh_s": float,
 }
+_REFUSED = {
+    "connect_timeout": "use connect_timeout_s (seconds), which bounds the ledger's own wait too",
+}
+
+
+def libpq_parameters() -> frozenset[str]:
+    """The connection parameters the installed libpq knows (sslmode, application_name...)."""
+    return frozenset(d.keyword.decode() for d in Conninfo.get_defaults()) - set(_REFUSED)
 
 
 def from_url(url: str) -> PostgresCacheBackend:
-    """`postgresql://user:pass@host:port/db?table=...&max_size=...`; other query
-    parameters (sslmode, ...) go to libpq unchanged."""
-    parts, options = split_options(url, _OPTIONS)
+    """`postgresql://user:pass@host:port/db?table=...&max_size=...`; libpq's own
+    parameters (sslmode, application_name, ...) go to libpq exactly as written; any other
+    option is refused."""
+    parts, options = split_server_options(url, "PostgreSQL", _OPTIONS, libpq_parameters(), _REFUSED)
     return PostgresCacheBackend(urlunsplit(parts._replace(scheme="postgresql")), **options)

@@ -13,23 +13,32 @@ connection drops before the reply.
 
 How durable a claim is depends on the server's persistence settings: see docs/backends.md.
 The backend warns when the server it talks to persists nothing, or only RDB snapshots.
+
+Every operation ends within `timeout_s`, resends included: the socket timeouts of each
+attempt are set to the time the operation has left, so neither a frozen server nor a
+network that drops packets can stretch it.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-import os
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
-from urllib.parse import urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 try:
     import redis
     from redis.backoff import NoBackoff
+    from redis.connection import (
+        URL_QUERY_ARGUMENT_PARSERS,
+        Connection,
+        SSLConnection,
+        UnixDomainSocketConnection,
+    )
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
@@ -37,11 +46,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "install it with: pip install 'crewai-idempotent[redis]'"
     ) from exc
 
+from . import _fork
 from ._backend import CacheBackend
 from ._clock import ServerClock
 from ._errors import LedgerUnavailable
 from ._record import Record, Status
-from ._url import split_options
+from ._server_url import flag, split_server_options
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -105,11 +115,13 @@ class RedisCacheBackend(CacheBackend):
 
     `url_or_client` is a `redis://` / `rediss://` URL or a `redis.Redis` client you manage
     (it is not closed by `close()`). `prefix` namespaces every key the ledger writes.
-    `timeout_s` bounds connecting and each command; after a dropped connection or a
-    timeout a command is sent again up to `retries` times (backing off 50 ms to 0.5 s),
-    then `LedgerUnavailable` is raised, so a guarded body never runs unclaimed. A client
-    you pass in should not retry by itself (`retry=Retry(NoBackoff(), 0)`): a script it
-    resends cannot tell that it is a resend, and a landed claim then looks taken.
+    `timeout_s` bounds each operation as a whole: connecting, the command, and the
+    resends after a dropped connection or a timeout (up to `retries`, backing off 50 ms to
+    0.5 s, while time is left); then `LedgerUnavailable` is raised, so a guarded body
+    never runs unclaimed. (A client you pass in keeps its own socket timeouts, so each
+    attempt can take that long.) A client you pass in should not retry by itself
+    (`retry=Retry(NoBackoff(), 0)`): a script it resends cannot tell that it is a resend,
+    and a landed claim then looks taken.
     With `check_persistence` (the default) the first use reads the server's persistence
     settings and warns (`RedisDurabilityWarning`) if a restart would lose the ledger.
     """
@@ -136,32 +148,62 @@ class RedisCacheBackend(CacheBackend):
         self.check_persistence = check_persistence
         self.retries = retries
         if isinstance(url_or_client, str):
-            self._owns_client = True
-            self.client = redis.Redis.from_url(
-                url_or_client,
-                socket_timeout=self.timeout_s,
-                socket_connect_timeout=self.timeout_s,
-                # Resending is done here, where a resent script knows it is one.
-                retry=Retry(NoBackoff(), 0),
-            )
+            self._url: str | None = url_or_client
         elif isinstance(url_or_client, redis.Redis):
-            self._owns_client = False
-            self.client = url_or_client
+            self._url = None
         else:
             raise TypeError(
                 f"RedisCacheBackend needs a redis:// URL or a redis.Redis client, "
                 f"not {type(url_or_client).__name__}"
             )
+        self._owns_client = self._url is not None
+        self._use_client(url_or_client if isinstance(url_or_client, redis.Redis) else None)
         self.where = _describe(self.client)
         self._indexes = [f"{prefix}i:{status.value}" for status in _STATUSES]
-        self._claim = self.client.register_script(_CLAIM)
-        self._replace = self.client.register_script(_REPLACE)
-        self._delete = self.client.register_script(_DELETE)
         self._clock = ServerClock("Redis", self._read_clock, clock_refresh_s)
         self._checked = not check_persistence
         self._check_lock = threading.Lock()
         self._closed = False
-        _instances.add(self)
+        _fork.register(self)
+
+    def _use_client(self, given: redis.Redis | None) -> None:
+        if given is not None:
+            self.client = given
+        else:
+            assert self._url is not None
+            self.client = redis.Redis.from_url(
+                self._url,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                # Resending is done here, where a resent script knows it is one.
+                retry=Retry(NoBackoff(), 0),
+            )
+            pool = self.client.connection_pool
+            pool.connection_class = _bounded(pool.connection_class)
+        self._claim = self.client.register_script(_CLAIM)
+        self._replace = self.client.register_script(_REPLACE)
+        self._delete = self.client.register_script(_DELETE)
+
+    # -- fork() (see _fork) ------------------------------------------------------------
+
+    def before_fork(self) -> None:
+        pass
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        # A lock held by another thread at fork() would stay held forever in the child.
+        self._check_lock = threading.Lock()
+        self._clock.after_fork()
+        if self._owns_client:
+            # A client of our own is replaced rather than trusted to notice the fork: its
+            # pool's lock may have been held by a thread the child does not have. The old
+            # one is dropped, never closed: its sockets are the parent's. (redis-py closes
+            # only its own process's sockets when it collects a connection.)
+            self._use_client(None)
+        # A client passed in resets its pool in the child by itself (redis-py compares the
+        # pid on every checkout) and opens new connections there.
 
     def __repr__(self) -> str:
         return f"RedisCacheBackend({self.where!r}, prefix={self.prefix!r})"
@@ -173,31 +215,46 @@ class RedisCacheBackend(CacheBackend):
         return f"{self.prefix}i:{status.value}"
 
     def _call(self, what: str, op: Callable[[bool], T], *, retry: bool = True) -> T:
-        """Run `op(resent)`. After a dropped connection or a timeout, and when `retry` is
-        set, run it again with `resent=True` (a few times, backing off): the first send
-        may or may not have been applied, and the scripts account for that."""
+        """Run `op(resent)` within timeout_s. After a dropped connection or a timeout,
+        and when `retry` is set, run it again with `resent=True` (a few times, backing
+        off, while time is left): the first send may or may not have been applied, and
+        the scripts account for that."""
         if self._closed:
             raise LedgerUnavailable(f"{self!r} is closed")
-        if not self._checked:
-            self._check_server()
-        delay = 0.05
-        attempts = 1 + (self.retries if retry else 0)
-        for attempt in range(1, attempts + 1):
-            try:
-                return op(attempt > 1)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if attempt == attempts or isinstance(exc, redis.AuthenticationError):
+        outer = getattr(_deadline, "at", None)
+        deadline = time.monotonic() + self.timeout_s
+        _deadline.at = deadline if outer is None else min(outer, deadline)
+        try:
+            if not self._checked:
+                self._check_server()
+            delay = 0.05
+            attempts = 1 + (self.retries if retry else 0)
+            for attempt in range(1, attempts + 1):
+                try:
+                    return op(attempt > 1)
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    left = _deadline.at - time.monotonic()
+                    if (
+                        attempt == attempts
+                        or left <= delay
+                        or isinstance(exc, redis.AuthenticationError)
+                    ):
+                        raise LedgerUnavailable(self._explain(exc, what)) from exc
+                    log.info("Redis connection failed while %s; trying again", what)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+                except redis.RedisError as exc:
                     raise LedgerUnavailable(self._explain(exc, what)) from exc
-                log.info("Redis connection failed while %s; trying again", what)
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
-            except redis.RedisError as exc:
-                raise LedgerUnavailable(self._explain(exc, what)) from exc
-        raise AssertionError("unreachable")
+            raise AssertionError("unreachable")
+        finally:
+            _deadline.at = outer
 
     def _explain(self, exc: BaseException, what: str) -> str:
         if isinstance(exc, redis.TimeoutError):
-            why = f"did not answer within timeout_s={self.timeout_s}"
+            why = (
+                f"did not answer within timeout_s={self.timeout_s} (a frozen or overloaded "
+                "server, or a network that drops packets)"
+            )
         elif isinstance(exc, redis.AuthenticationError | redis.exceptions.NoPermissionError):
             why = "refused our credentials"
         elif isinstance(exc, redis.ConnectionError):
@@ -365,31 +422,111 @@ def _describe(client: redis.Redis) -> str:
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
 
 
-# A lock held by another thread at fork() would stay held forever in the child. (redis-py
-# itself drops the connections a child inherits.)
-_instances: weakref.WeakSet[RedisCacheBackend] = weakref.WeakSet()
+# The deadline of the operation this thread is running, read by the connections' socket
+# timeouts (see _bounded).
+_deadline = threading.local()
 
 
-def _after_fork_in_child() -> None:
-    for backend in list(_instances):
-        backend._check_lock = threading.Lock()
-        backend._clock.after_fork()
+class _DeadlineBound:
+    """Mixed into redis-py's connection class: every socket wait (connecting, sending,
+    reading a reply) is limited to the time the current operation has left."""
+
+    socket_connect_timeout: float | None
+    _sock: Any
+
+    def _left(self) -> float | None:
+        at: float | None = getattr(_deadline, "at", None)
+        # A wait of almost nothing times out at once, through redis-py's own path, which
+        # drops the connection so no late reply is read by the next command.
+        return None if at is None else max(at - time.monotonic(), 0.001)
+
+    def _connect(self) -> Any:
+        left = self._left()
+        if left is not None:
+            self.socket_connect_timeout = left
+        return super()._connect()  # type: ignore[misc]
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        self._bound_socket()
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        self._bound_socket()
+        return super().read_response(*args, **kwargs)  # type: ignore[misc]
+
+    def _bound_socket(self) -> None:
+        left = self._left()
+        if left is not None and self._sock is not None:
+            self._sock.settimeout(left)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_bounded_classes: dict[type[Any], type[Any]] = {}
 
 
+def _bounded(cls: type[Any]) -> type[Any]:
+    if issubclass(cls, _DeadlineBound):
+        return cls
+    if cls not in _bounded_classes:
+        _bounded_classes[cls] = type(f"DeadlineBound{cls.__name__}", (_DeadlineBound, cls), {})
+    return _bounded_classes[cls]
+
+
+# URL options: the backend's own, and redis-py's connection options that a URL can carry.
 _OPTIONS: dict[str, Callable[[str], Any]] = {
     "prefix": str,
     "timeout_s": float,
     "clock_refresh_s": float,
-    "check_persistence": lambda value: value.lower() in ("1", "true", "yes", "on"),
+    "check_persistence": flag,
     "retries": int,
 }
+_SET_BY_US = "crewai-idempotent sets it from timeout_s and retries, which bound every operation"
+_REFUSED = {
+    **dict.fromkeys(
+        ("socket_timeout", "socket_connect_timeout", "timeout", "retry", "retry_on_timeout",
+         "retry_on_error"),
+        _SET_BY_US,
+    ),
+    "decode_responses": "the ledger decodes replies itself",
+    **dict.fromkeys(
+        ("host", "port", "path", "username", "password"),
+        "write it in the URL itself (redis://user:password@host:port/db, unix:///path)",
+    ),
+}  # fmt: skip
+# redis-py options that a URL can express (text, numbers, yes/no), checked against the
+# installed redis-py's connection classes below; objects and callbacks cannot come from
+# a URL.
+_PLAIN_OPTIONS = frozenset({
+    "db", "client_name", "lib_name", "lib_version", "health_check_interval",
+    "socket_keepalive", "socket_read_size", "protocol", "max_connections", "encoding",
+    "encoding_errors", "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs",
+    "ssl_ca_path", "ssl_ca_data", "ssl_check_hostname", "ssl_password", "ssl_validate_ocsp",
+    "ssl_validate_ocsp_stapled", "ssl_min_version", "ssl_ciphers", "ssl_include_verify_flags",
+    "ssl_exclude_verify_flags",
+})  # fmt: skip
+
+
+def redis_py_options(scheme: str) -> frozenset[str]:
+    """The redis-py connection options a `scheme` URL may carry, as the installed redis-py
+    knows them."""
+    classes: list[type[Any]] = [Connection]
+    if scheme == "rediss":
+        classes.append(SSLConnection)
+    elif scheme == "unix":
+        classes = [UnixDomainSocketConnection]
+    known = set(URL_QUERY_ARGUMENT_PARSERS) | {"max_connections"}
+    for cls in classes:
+        for klass in cls.__mro__:
+            if "__init__" in vars(klass):
+                known |= set(inspect.signature(vars(klass)["__init__"]).parameters)
+    return frozenset(known & _PLAIN_OPTIONS)
 
 
 def from_url(url: str) -> RedisCacheBackend:
-    """`redis://[:password@]host:port/db?prefix=...`, `rediss://` for TLS; other query
-    parameters go to redis-py unchanged."""
-    parts, options = split_options(url, _OPTIONS)
+    """`redis://[:password@]host:port/db?prefix=...`, `rediss://` for TLS; redis-py's own
+    options (client_name, ssl_ca_certs, ...) go to redis-py exactly as written; any other
+    option is refused."""
+    scheme = urlsplit(url).scheme.lower()
+    parts, options = split_server_options(
+        url, "Redis", _OPTIONS, redis_py_options(scheme), _REFUSED
+    )
     return RedisCacheBackend(urlunsplit(parts), **options)

@@ -83,6 +83,19 @@ class UrlFactory:
         return f"UrlFactory({self.url!r})"
 
 
+def _children(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid ...; comm may hold spaces and parentheses
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            found.append(int(stat.parent.name))
+    return found
+
+
 # -- PostgreSQL --------------------------------------------------------------------------
 
 
@@ -183,6 +196,26 @@ class PostgresServer:
         self.stop("immediate")
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def processes(self) -> list[int]:
+        """The postmaster first, then every server process it started."""
+        try:
+            postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return []
+        return [postmaster, *_children(postmaster)]
+
+    def freeze(self) -> None:
+        """SIGSTOP every server process: the kernel still accepts and acknowledges TCP,
+        but nothing answers (a hung host, a server stuck in the kernel)."""
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in reversed(self.processes()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
     def dsn(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
@@ -262,6 +295,15 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP the server: connections stay open, nothing answers."""
+        if self._process is not None:
+            os.kill(self._process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self._process is not None:
+            os.kill(self._process.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         process, self._process = self._process, None

@@ -1,0 +1,237 @@
+"""A server that stops answering: every PostgreSQL and Redis operation still ends, within its
+timeout plus a second, with LedgerUnavailable, and no guarded body runs unclaimed.
+
+Two ways of not answering, both invisible to TCP: the server process is frozen (SIGSTOP;
+its kernel still accepts connections and acknowledges what is sent), and a proxy on the
+path stops forwarding (a network that drops packets). `statement_timeout`, keepalives
+and TCP_USER_TIMEOUT cannot end a wait like that; only the client can.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crewai_idempotent import (
+    CacheBackend,
+    Ledger,
+    LedgerUnavailable,
+    OutcomeUncertain,
+    backend_from_url,
+)
+from crewai_idempotent._record import Event, Owner, Record, Status
+from tests.blackhole import BlackHoleProxy
+from tests.servers import (
+    PostgresServer,
+    RedisServer,
+    append_line,
+    discard,
+    effects_per_key,
+    start_postgres,
+    start_redis,
+)
+
+TIMEOUT_S = 2.0
+# Every timeout of the backend is TIMEOUT_S; an operation must end within this.
+BOUND_S = TIMEOUT_S + 1.0
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    """A server of this module's own: these tests freeze it."""
+    server = start_postgres()
+    yield server
+    discard(server)
+
+
+@pytest.fixture(scope="module")
+def redis_() -> Iterator[RedisServer]:
+    server = start_redis()
+    yield server
+    discard(server)
+
+
+class Silence:
+    """One way of making a server stop answering, and the URL that reaches it."""
+
+    def __init__(
+        self, url: str, on: Callable[[], None], off: Callable[[], None], close: Callable[[], None]
+    ) -> None:
+        self.url, self.on, self.off, self.close = url, on, off, close
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        self.on()
+        try:
+            yield
+        finally:
+            self.off()
+
+
+def _nothing() -> None:
+    pass
+
+
+def _postgres_url(server: PostgresServer, port: int) -> str:
+    url = server.fresh_url(
+        timeout_s=TIMEOUT_S, connect_timeout_s=TIMEOUT_S, statement_timeout_s=TIMEOUT_S
+    )
+    return url.replace(f":{server.port}/", f":{port}/")
+
+
+def _redis_url(server: RedisServer, port: int) -> str:
+    url = server.fresh_url(timeout_s=TIMEOUT_S)
+    return url.replace(f":{server.port}/", f":{port}/")
+
+
+@pytest.fixture(params=["postgres-frozen", "postgres-blackhole", "redis-frozen", "redis-blackhole"])
+def silence(request: pytest.FixtureRequest) -> Iterator[Silence]:
+    kind, how = request.param.split("-")
+    server: Any = request.getfixturevalue("postgres" if kind == "postgres" else "redis_")
+    make_url = _postgres_url if kind == "postgres" else _redis_url
+    if how == "frozen":
+        silence = Silence(make_url(server, server.port), server.freeze, server.thaw, _nothing)
+    else:
+        proxy = BlackHoleProxy(server.port)
+        silence = Silence(make_url(server, proxy.port), proxy.swallow, proxy.forward, proxy.close)
+    try:
+        yield silence
+    finally:
+        silence.off()
+        silence.close()
+
+
+def _pending(key: str, backend: CacheBackend) -> Record:
+    now = backend.now()
+    owner = Owner.current()
+    return Record(
+        key=key, status=Status.PENDING, fingerprint="f" * 64, token=1, revision=1,
+        owner=owner, attempts=1, created_at=now, updated_at=now, lease_expires_at=now + 60,
+        history=(Event(now, "claim", 1, owner.label),),
+    )  # fmt: skip
+
+
+def _committed(record: Record, backend: CacheBackend) -> Record:
+    now = backend.now()
+    return record.evolve(
+        Event(now, "commit", record.token, "test"),
+        status=Status.COMMITTED, updated_at=now, lease_expires_at=None,
+    )  # fmt: skip
+
+
+def _timed(call: Callable[[], Any]) -> tuple[float, BaseException | None]:
+    started = time.monotonic()
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
+        return time.monotonic() - started, exc
+    return time.monotonic() - started, None
+
+
+OPERATIONS = ["claim", "commit", "read"]
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_an_operation_on_a_silent_server_fails_closed_within_its_timeout(
+    silence: Silence, operation: str
+) -> None:
+    backend = backend_from_url(silence.url)
+    try:
+        tag = uuid.uuid4().hex[:8]
+        held = _pending(f"held-{tag}", backend)
+        assert backend.insert(held) is None  # connected, migrated, clock read
+        operations: dict[str, Callable[[int], Any]] = {
+            "claim": lambda n: backend.insert(_pending(f"new-{tag}-{n}", backend)),
+            "commit": lambda n: backend.replace(held, _committed(held, backend)),
+            "read": lambda n: backend.get(held.key),
+        }
+        with silence.active():
+            # The first call finds a pooled connection that was fine a moment ago; the
+            # second must get a new one, from a server that accepts and never answers.
+            for attempt in range(2):
+                elapsed, error = _timed(lambda n=attempt: operations[operation](n))
+                assert isinstance(error, LedgerUnavailable), (attempt, error)
+                assert elapsed <= BOUND_S, f"attempt {attempt} took {elapsed:.2f} s: {error}"
+        # Answering again: the backend recovers by itself.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                backend.get(held.key)
+                break
+            except LedgerUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    finally:
+        backend.close()
+
+
+def test_a_guarded_call_on_a_silent_server_never_runs_its_body(
+    silence: Silence, tmp_path: Path
+) -> None:
+    effects = tmp_path / "effects"
+    ledger = Ledger(backend_from_url(silence.url), lease_s=5.0, wait_s=0.0)
+    try:
+        assert ledger.run("warm-up", lambda: "ok") == "ok"
+        with silence.active():
+            for n in range(2):
+                elapsed, error = _timed(
+                    lambda n=n: ledger.run(f"silent-{n}", lambda: append_line(effects, "ran"))
+                )
+                assert isinstance(error, LedgerUnavailable), error
+                # The claim, then the ledger's look for a claim that may have landed anyway:
+                # two bounded operations (and a clock reading at most).
+                assert elapsed <= 3 * BOUND_S, f"took {elapsed:.2f} s"
+        assert effects_per_key(effects) == {}
+    finally:
+        ledger.close()
+
+
+def test_a_commit_on_a_silent_server_leaves_the_effect_once_and_the_record_unresolved(
+    silence: Silence, tmp_path: Path
+) -> None:
+    """The body ran, the commit cannot be stored: the call ends in bounded time (with the
+    receipt in hand, or LedgerUnavailable), the record stays PENDING, and once its lease
+    lapses a retry is uncertain, never a second run."""
+    effects = tmp_path / "effects"
+    ledger = Ledger(backend_from_url(silence.url), lease_s=1.0, commit_retry_s=0.5)
+    try:
+        assert ledger.run("warm-up", lambda: "ok") == "ok"
+
+        def body() -> str:
+            append_line(effects, "charged")
+            silence.on()  # the server goes silent while the body runs
+            return "receipt"
+
+        try:
+            elapsed, error = _timed(lambda: ledger.run("charged", body))
+        finally:
+            silence.off()
+        assert error is None or isinstance(error, LedgerUnavailable), error
+        # commit_retry_s, then the attempt under way when it ran out
+        assert elapsed <= 0.5 + 2 * BOUND_S, f"took {elapsed:.2f} s"
+        time.sleep(1.5)  # the lease lapses
+        deadline = time.monotonic() + 30
+        outcomes: list[Any] = []
+        while True:
+            _elapsed, error = _timed(
+                lambda: outcomes.append(ledger.execute("charged", body, wait_s=5.0))
+            )
+            if not isinstance(error, LedgerUnavailable) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # the backend is still reconnecting
+        if error is None:
+            # A frozen server read the commit from its socket buffer when it woke up: the
+            # commit landed, and the retry replays it.
+            assert outcomes[-1].replayed and outcomes[-1].value == "receipt"
+        else:
+            assert isinstance(error, OutcomeUncertain), error
+        assert effects_per_key(effects) == {"charged": 1}
+    finally:
+        ledger.close()
