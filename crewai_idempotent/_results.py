@@ -191,7 +191,7 @@ def decode(payload: Any) -> Any:
         return _decode(payload["v"])
     if kind == "escaped":
         return json.loads(payload["v"])
-    if kind == "pydantic":  # written before 0.2: one model at the top level
+    if kind == "pydantic":  # written by earlier versions: one model at the top level
         cls = _importable(payload["cls"], "model")
         if cls is None:
             return payload["v"]

@@ -129,8 +129,8 @@ def sqlite_path(url: str) -> Path:
     absolute = Path("/", text)
     resolved = Path.cwd() / path
     if not resolved.exists() and absolute.is_file():
-        # Before 0.2 three slashes meant an absolute path: refuse rather than start an
-        # empty ledger next to the one holding the receipts.
+        # Development versions read three slashes as an absolute path: refuse rather than
+        # start an empty ledger next to the one holding the receipts.
         raise LedgerConfigurationError(
             f"{url!r} names {resolved} (three slashes: relative to the current directory, as "
             f"in SQLAlchemy), which does not exist, while {absolute} does. For the existing "
