@@ -2,26 +2,38 @@
 
 The claim is an exclusive create: the record is written to a temporary file, fsynced,
 then hard-linked to its final name, which fails if the name exists. Later transitions
-hold a per-key `filelock` and replace the file atomically (temp file, fsync, rename,
-folder fsync). Each operation touches one key's files, so its cost does not grow with
-the number of records. Not for network filesystems: `flock` and `link` are local.
+hold the key's lock (`flock` on a per-key lock file) and replace the file atomically
+(temp file, fsync, rename, folder fsync). Each operation touches one key's files, so its
+cost does not grow with the number of records. Not for network filesystems: `flock` and
+`link` are local.
+
+Across fork(): a `flock` belongs to the open file description, which a forked child
+shares with its parent; unlocking it in the child would release the parent's lock. The
+locks are therefore taken on descriptors this module opens and closes itself (not through
+a library whose finalizer might unlock an inherited one): a child closes, without
+unlocking, the descriptors of locks its parent's threads held at the fork (closing one
+copy leaves the parent's lock in place, and frees it if the parent dies), and opens its
+own for every lock it takes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import secrets
+import stat
+import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
-from filelock import FileLock, Timeout
-
+from . import _fork
 from ._backend import CacheBackend
 from ._errors import LedgerUnavailable
-from ._paths import private_folder
+from ._paths import check_trusted, private_folder
 from ._record import Record, Status
 
 
@@ -39,10 +51,24 @@ class FileLockCacheBackend(CacheBackend):
         self.directory = private_folder(Path(directory), allow_insecure_path)
         self.fsync = fsync
         self.lock_timeout_s = lock_timeout_s
+        self.allow_insecure_path = allow_insecure_path
         self._records = self.directory / "records"
         self._locks = self.directory / "locks"
         for folder in (self._records, self._locks):
             private_folder(folder, allow_insecure_path)
+        # The open folder keeps its inode number from being handed to a folder created
+        # at the same path after a deletion, which would pass the identity check.
+        try:
+            pin = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise LedgerUnavailable(f"cannot open ledger folder {self.directory}: {exc}") from exc
+        weakref.finalize(self, os.close, pin)
+        st = os.fstat(pin)
+        self._identity = (st.st_dev, st.st_ino)
+        self._shards: set[Path] = set()  # shard folders made or checked by this object
+        # Descriptors of the locks being taken or held right now, by any thread.
+        self._lock_fds: set[int] = set()
+        _fork.register(self)
 
     def __repr__(self) -> str:
         return f"FileLockCacheBackend({str(self.directory)!r})"
@@ -54,11 +80,63 @@ class FileLockCacheBackend(CacheBackend):
         shard = digest[:2]  # 256 sub-folders keep every folder small at millions of keys
         return self._records / shard / f"{digest}.json", self._locks / shard / f"{digest}.lock"
 
-    def _shard(self, path: Path) -> None:
+    # -- fork ----------------------------------------------------------------------------
+
+    def before_fork(self) -> None:
+        pass  # nothing to quiesce: a lock held across the fork stays the parent's
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        # Each descriptor in the set is open and ours: it joins the set after os.open and
+        # leaves it before os.close. Closing the child's copy never unlocks the parent.
+        for fd in list(self._lock_fds):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._lock_fds = set()
+
+    # -- trust ---------------------------------------------------------------------------
+
+    def _check_identity(self) -> None:
+        # One stat per operation: a ledger folder deleted or replaced under a running
+        # process must not turn into an empty ledger in which committed keys run again.
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
+            st = os.stat(self.directory)
+        except FileNotFoundError:
+            raise LedgerUnavailable(
+                f"the ledger folder {self.directory} was deleted while this process had it "
+                "open; refusing to start an empty ledger (committed keys would run again)"
+            ) from None
+        if (st.st_dev, st.st_ino) != self._identity:
+            raise LedgerUnavailable(
+                f"the ledger folder {self.directory} was replaced while this process had it "
+                "open; refusing to use a different ledger than the one opened"
+            )
+
+    def _check_file(self, fd: int, path: Path, what: str) -> None:
+        if self.allow_insecure_path:
+            return
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LedgerUnavailable(f"{what} {path} is not a regular file")
+        check_trusted(st, path, what)
+
+    def _shard(self, path: Path) -> None:
+        folder = path.parent
+        if folder in self._shards:
+            return
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder, 0o700)
+            st = os.lstat(folder)
         except OSError as exc:
-            raise LedgerUnavailable(self._explain(exc, path.parent)) from exc
+            raise LedgerUnavailable(self._explain(exc, folder)) from exc
+        if not self.allow_insecure_path:
+            if not stat.S_ISDIR(st.st_mode):
+                raise LedgerUnavailable(f"ledger folder {folder} is not a directory")
+            check_trusted(st, folder, "ledger folder")
+        self._shards.add(folder)
 
     def _explain(self, exc: OSError, path: Path) -> str:
         reason = {
@@ -73,11 +151,21 @@ class FileLockCacheBackend(CacheBackend):
 
     def _read(self, path: Path) -> Record | None:
         try:
-            data = path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise LedgerUnavailable(f"the record file {path} is a symlink") from exc
             raise LedgerUnavailable(self._explain(exc, path)) from exc
+        try:
+            self._check_file(fd, path, "record file")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read()
+        except OSError as exc:
+            raise LedgerUnavailable(self._explain(exc, path)) from exc
+        finally:
+            os.close(fd)
         try:
             return Record.from_json(data)
         except (ValueError, KeyError, TypeError) as exc:
@@ -87,7 +175,7 @@ class FileLockCacheBackend(CacheBackend):
         temp = final.with_name(f".{final.name}.{secrets.token_hex(6)}.tmp")
         data = record.to_json().encode("utf-8")
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 view = memoryview(data)
                 while view:
@@ -110,13 +198,39 @@ class FileLockCacheBackend(CacheBackend):
         finally:
             os.close(fd)
 
-    def _lock(self, lock_path: Path) -> FileLock:
+    @contextlib.contextmanager
+    def _locked(self, lock_path: Path) -> Iterator[None]:
+        """Hold the key's lock: `flock` on a descriptor opened here, for this call only."""
         self._shard(lock_path)
-        return FileLock(lock_path, timeout=self.lock_timeout_s, mode=0o600)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._lock_fds.add(fd)
+        try:
+            self._check_file(fd, lock_path, "lock file")
+            deadline = time.monotonic() + self.lock_timeout_s
+            delay = 0.001
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise LedgerUnavailable(
+                            f"the lock {lock_path} stayed held past {self.lock_timeout_s} s"
+                        ) from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            self._lock_fds.discard(fd)
+            os.close(fd)
 
     # -- protocol ----------------------------------------------------------------------
 
     def insert(self, record: Record) -> Record | None:
+        self._check_identity()
         final, _ = self._names(record.key)
         self._shard(final)
         while True:
@@ -142,19 +256,16 @@ class FileLockCacheBackend(CacheBackend):
     def _holding(self, current: Record) -> Iterator[Path | None]:
         """Hold the key's lock; yield its record file if the stored record is still
         `current` (same token and revision), else None. Failures become LedgerUnavailable."""
+        self._check_identity()
         final, lock_path = self._names(current.key)
         try:
-            with self._lock(lock_path):
+            with self._locked(lock_path):
                 held = self._read(final)
                 same = held is not None and (held.token, held.revision) == (
                     current.token,
                     current.revision,
                 )
                 yield final if same else None
-        except Timeout as exc:
-            raise LedgerUnavailable(
-                f"the lock {lock_path} stayed held past {self.lock_timeout_s} s"
-            ) from exc
         except OSError as exc:
             raise LedgerUnavailable(self._explain(exc, final)) from exc
 
@@ -172,9 +283,11 @@ class FileLockCacheBackend(CacheBackend):
             return True
 
     def get(self, key: str) -> Record | None:
+        self._check_identity()
         return self._read(self._names(key)[0])
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
+        self._check_identity()
         records = []
         for path in self._records.glob("*/*.json"):
             record = self._read(path)

@@ -13,9 +13,11 @@ socket or SQLite handle in the child would break the parent).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -26,6 +28,8 @@ class ForkAware(Protocol):
 
     def after_fork_in_child(self) -> None: ...
 
+
+log = logging.getLogger("crewai_idempotent")
 
 _objects: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 _objects_lock = threading.Lock()
@@ -51,13 +55,13 @@ def _before() -> None:
     _objects_lock.acquire()
     _in_fork[:] = list(_objects)
     for obj in _in_fork:
-        obj.before_fork()
+        _call(obj.before_fork)
 
 
 def _after_in_parent() -> None:
     try:
         for obj in reversed(_in_fork):
-            obj.after_fork_in_parent()
+            _call(obj.after_fork_in_parent)
     finally:
         _in_fork.clear()
         _objects_lock.release()
@@ -68,10 +72,20 @@ def _after_in_child() -> None:
     # the lock taken in `_before` is safe here too.
     try:
         for obj in reversed(_in_fork):
-            obj.after_fork_in_child()
+            _call(obj.after_fork_in_child)
     finally:
         _in_fork.clear()
         _objects_lock.release()
+
+
+def _call(hook: Callable[[], None]) -> None:
+    # One object's failing hook must not deprive the others of theirs: each object that
+    # missed its before_fork must find out in its after hooks (see the backends), and
+    # os.register_at_fork would otherwise skip every object after the failing one.
+    try:
+        hook()
+    except Exception:
+        log.exception("fork hook %r failed", hook)
 
 
 os.register_at_fork(

@@ -1,4 +1,13 @@
-"""Refusing ledger locations that another local user could tamper with."""
+"""Refusing ledger files and folders that another local user could tamper with.
+
+A ledger is only as trustworthy as the files it lives in: a receipt that another user can
+erase is a body that runs twice. Every file and folder of a ledger, new or pre-existing,
+must be owned by this user (or root) and writable by nobody else. A world-writable folder
+is refused, except a sticky one such as /tmp, which is safe for a file this user owns:
+the sticky bit stops other users from deleting or renaming it, and a file they planted
+first (or a symlink) is refused by owner and type. `allow_insecure_path=True` waives
+every check.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +18,64 @@ from pathlib import Path
 from ._errors import LedgerUnavailable
 
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
+_OVERRIDE = "pass allow_insecure_path=True if you accept that risk"
 
 
-def _check_folder(folder: Path, allow_insecure: bool) -> None:
-    mode = folder.stat().st_mode
-    if not stat.S_ISDIR(mode):
-        raise LedgerUnavailable(f"ledger folder {folder} is not a directory")
-    if mode & _UNSAFE_BITS and not allow_insecure:
+def _owner_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def check_trusted(st: os.stat_result, path: Path, what: str) -> None:
+    """Refuse `path` (described by `st`) if another user owns it or may write to it."""
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
         raise LedgerUnavailable(
-            f"ledger folder {folder} is writable by group or others (mode {stat.filemode(mode)}): "
-            "another user could replace the ledger. Use a private folder, or pass "
-            "allow_insecure_path=True if you accept that risk"
+            f"{what} {path} is owned by {_owner_name(st.st_uid)}, not by this user "
+            f"({_owner_name(me)}) or root: its owner could rewrite or erase receipts. "
+            f"Use a ledger this user created, or {_OVERRIDE}"
+        )
+    if st.st_mode & _UNSAFE_BITS:
+        raise LedgerUnavailable(
+            f"{what} {path} is writable by group or others (mode {stat.filemode(st.st_mode)}): "
+            f"another user could rewrite or erase receipts. chmod it go-w, or {_OVERRIDE}"
         )
 
 
+def check_existing_file(path: Path, what: str, allow_insecure: bool) -> os.stat_result | None:
+    """Check a ledger file that may exist (a -wal, a -shm, a record): None if absent."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise LedgerUnavailable(f"cannot inspect {what} {path}: {exc}") from exc
+    if allow_insecure:
+        return st
+    if stat.S_ISLNK(st.st_mode):
+        raise LedgerUnavailable(f"{what} {path} is a symlink; refusing it ({_OVERRIDE})")
+    if not stat.S_ISREG(st.st_mode):
+        raise LedgerUnavailable(f"{what} {path} is not a regular file")
+    check_trusted(st, path, what)
+    return st
+
+
+def _check_folder(folder: Path, allow_insecure: bool) -> None:
+    st = folder.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise LedgerUnavailable(f"ledger folder {folder} is not a directory")
+    if allow_insecure:
+        return
+    check_trusted(st, folder, "ledger folder")
+
+
 def private_folder(folder: Path, allow_insecure: bool) -> Path:
-    """Create `folder` 0700 if absent; refuse a symlink or a group/other-writable folder."""
+    """Create `folder` 0700 if absent; refuse a symlink, or a folder another user owns or
+    may write to."""
     folder = folder.expanduser().absolute()
     if folder.is_symlink() and not allow_insecure:
         raise LedgerUnavailable(
@@ -39,25 +90,57 @@ def private_folder(folder: Path, allow_insecure: bool) -> Path:
     return folder
 
 
-def private_file(path: Path, allow_insecure: bool) -> Path:
-    """Create the ledger file 0600 if absent; refuse a symlinked path or an unsafe folder."""
+def _shared_sticky(folder: Path) -> bool:
+    """True for a folder like /tmp: writable by others, sticky, owned by root or this user
+    (a sticky folder's owner may still delete anything in it)."""
+    st = folder.stat()
+    return (
+        stat.S_ISDIR(st.st_mode)
+        and bool(st.st_mode & _UNSAFE_BITS)
+        and bool(st.st_mode & stat.S_ISVTX)
+        and st.st_uid in (os.geteuid(), 0)
+    )
+
+
+def private_file(path: Path, allow_insecure: bool) -> tuple[Path, os.stat_result]:
+    """Create the ledger file 0600 if absent, or check the one that exists.
+
+    Returns the absolute path and the file's identity (its stat), which the backend
+    compares later to notice the file being deleted or replaced under it.
+    """
     path = path.expanduser().absolute()
     if path.is_symlink() and not allow_insecure:
         raise LedgerUnavailable(
             f"ledger path {path} is a symlink; refusing it (pass allow_insecure_path=True)"
         )
-    private_folder(path.parent, allow_insecure)
     try:
+        sticky = not allow_insecure and path.parent.is_dir() and _shared_sticky(path.parent)
+    except OSError as exc:
+        raise LedgerUnavailable(f"cannot inspect ledger folder {path.parent}: {exc}") from exc
+    if not sticky:
+        private_folder(path.parent, allow_insecure)
+    try:
+        # O_EXCL and O_NOFOLLOW: in a shared folder the file is either created here, by
+        # this user, or it already existed and is checked below like any other.
         fd = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
         )
     except FileExistsError:
-        if not path.is_file():
-            raise LedgerUnavailable(
-                f"ledger path {path} exists and is not a regular file"
-            ) from None
+        pass
     except OSError as exc:
         raise LedgerUnavailable(f"cannot create ledger file {path}: {exc}") from exc
     else:
         os.close(fd)
-    return path
+    try:
+        st = os.stat(path) if allow_insecure else os.lstat(path)
+    except OSError as exc:
+        raise LedgerUnavailable(f"cannot inspect ledger file {path}: {exc}") from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise LedgerUnavailable(
+            f"ledger path {path} is a symlink; refusing it (pass allow_insecure_path=True)"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise LedgerUnavailable(f"ledger path {path} exists and is not a regular file")
+    if not allow_insecure:
+        check_trusted(st, path, "ledger file")
+    return path, st

@@ -1,4 +1,17 @@
-"""The embedded default: one SQLite file in WAL mode, one connection per thread."""
+"""The embedded default: one SQLite file in WAL mode, one connection per thread.
+
+Surviving fork(). SQLite keeps, per process, a table of the files it has open and of the
+POSIX locks it believes it holds on them. A forked child inherits that table but not the
+locks (fcntl locks belong to a process), so a connection the child opens, even a fresh
+one, trusts locks nobody holds: the parent's last close then checkpoints and deletes the
+WAL while the child still writes to it, and the two processes split the ledger. The
+SQLite documentation says an open database must not cross fork(). So, around every fork,
+each backend lets its running operations finish, blocks new ones and closes every
+connection it has, which leaves SQLite's table empty for the file; the parent reopens on
+its next operation and the child opens its own. A backend that could not do that (an
+operation outlived the wait, or the fork bypassed os.register_at_fork) refuses every
+operation on that file in the child, with a LedgerUnavailable that says what to do.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +21,15 @@ import random
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from . import _fork
 from ._backend import CacheBackend
 from ._errors import LedgerUnavailable
-from ._paths import private_file
+from ._paths import check_existing_file, private_file
 from ._record import Record, Status
 
 SCHEMA_VERSION = 1
@@ -41,6 +56,50 @@ _REPLACE = (
     "WHERE key = ? AND token = ? AND revision = ?"
 )
 _GET = "SELECT doc FROM idempotency_records WHERE key = ?"
+_DELETE = "DELETE FROM idempotency_records WHERE key = ? AND token = ? AND revision = ?"
+
+
+class _Gate:
+    """Operations run concurrently; fork() waits for the running ones and blocks new ones."""
+
+    __slots__ = ("_active", "_closed", "_cond")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._closed = False
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._closed:
+                self._cond.wait()
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if self._closed and not self._active:
+                self._cond.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Block new operations; True once none runs, False if some still ran at `timeout`."""
+        with self._cond:
+            self._closed = True
+            return self._cond.wait_for(lambda: not self._active, timeout)
+
+    def open(self) -> None:
+        with self._cond:
+            self._closed = False
+            self._cond.notify_all()
+
+
+# Connections a forked child inherited while they were in use: the child must never close
+# them (sqlite3_close would act on locks and a WAL index the child does not own), not even
+# when the interpreter exits, so each gets a reference that is never released.
+_inherited: list[sqlite3.Connection] = []
+# Files whose SQLite bookkeeping this process inherited in an unknown state; (st_dev, st_ino).
+_tainted: dict[tuple[int, int], str] = {}
+_backends: weakref.WeakSet[SQLiteCacheBackend] = weakref.WeakSet()
 
 
 class SQLiteCacheBackend(CacheBackend):
@@ -51,8 +110,9 @@ class SQLiteCacheBackend(CacheBackend):
     transactions on power loss, and is several times faster.
 
     The file is created mode 0600 (its folder 0700 if created). A path that is a symlink,
-    or whose folder is writable by group or others, is refused unless
-    `allow_insecure_path=True`.
+    a folder or file (or -wal, -shm) that another user owns or may write to, is refused
+    unless `allow_insecure_path=True`; so is a ledger file deleted or replaced while the
+    backend is open. Safe across fork(): see the module docstring.
     """
 
     def __init__(
@@ -68,40 +128,120 @@ class SQLiteCacheBackend(CacheBackend):
             raise ValueError(f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}")
         self.synchronous = synchronous
         self.busy_timeout_s = busy_timeout_s
-        self.path = private_file(Path(path), allow_insecure_path)
+        self.allow_insecure_path = allow_insecure_path
+        self.path, st = private_file(Path(path), allow_insecure_path)
+        self._identity = (st.st_dev, st.st_ino)
+        _pin_inode(self, self.path)
+        # SQLite creates -wal and -shm itself; they must never be created through a new
+        # file at `path`, so every connection opens the existing file (mode=rw).
+        self._uri = f"{self.path.as_uri()}?mode=rw"
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        self._gate = _Gate()
+        self._pid = os.getpid()
+        self._quiesced = False
         self._closed = False
+        _backends.add(self)
+        _fork.register(self)
 
     def __repr__(self) -> str:
         return f"SQLiteCacheBackend({str(self.path)!r}, synchronous={self.synchronous!r})"
 
+    # -- fork ----------------------------------------------------------------------------
+
+    def before_fork(self) -> None:
+        self._quiesced = False
+        if not self._gate.close(self.busy_timeout_s + 1.0):
+            return  # an operation is still running: its connection cannot be closed
+        self._drop_connections(close=True)
+        self._quiesced = True
+
+    def after_fork_in_parent(self) -> None:
+        self._quiesced = False
+        self._gate.open()
+
+    def after_fork_in_child(self) -> None:
+        # Threads that waited at the gate did not cross the fork: a fresh gate.
+        self._gate = _Gate()
+        self._pid = os.getpid()
+        if not self._quiesced and self._connections:
+            self._refuse_file(
+                f"an operation on it was still running in the parent (pid {os.getppid()}) "
+                "when it forked"
+            )
+        self._quiesced = False
+
+    def _refuse_file(self, why: str) -> None:
+        """In a child: keep the inherited connections unclosed forever and refuse the file."""
+        import ctypes
+
+        with self._lock:
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(conn))
+            _inherited.append(conn)
+        self._local = threading.local()
+        _tainted[self._identity] = why
+
+    def _refusal_message(self, why: str) -> str:
+        return (
+            f"the SQLite ledger {self.path} cannot be used in this process (pid {os.getpid()}): "
+            f"it was inherited through fork() with SQLite connections open, and {why}. SQLite "
+            "locks do not survive fork(), so using the file here could split the ledger. "
+            "Open the ledger in the child after the fork (in the worker's start-up hook), or "
+            "start workers with the 'spawn' or 'forkserver' method"
+        )
+
+    def _forked_without_hook(self) -> None:
+        # os.fork() always runs the hooks; a fork made in C (or through ctypes) does not.
+        if self._connections:
+            self._refuse_file("the fork bypassed os.register_at_fork")
+        self._gate = _Gate()
+        self._pid = os.getpid()
+
     # -- connections -------------------------------------------------------------------
 
     def _conn(self) -> sqlite3.Connection:
-        local = self._local
-        conn = getattr(local, "conn", None)
-        if conn is not None and local.pid == os.getpid():
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
             return conn
         if self._closed:
             raise LedgerUnavailable(f"{self!r} is closed")
-        # A connection inherited through fork() must never be used in the child.
-        conn = self._guard(self._open)
-        local.conn, local.pid = conn, os.getpid()
+        why = _tainted.get(self._identity)
+        if why is None:
+            why = _inherited_without_hook(self._identity)
+        if why is not None:
+            raise LedgerUnavailable(self._refusal_message(why))
+        conn = self._open()
+        self._local.conn = conn
         with self._lock:
             self._connections.append(conn)
         return conn
 
+    def _check_sidecars(self) -> None:
+        for suffix in ("-wal", "-shm"):
+            check_existing_file(
+                Path(f"{self.path}{suffix}"), f"ledger {suffix[1:]} file", self.allow_insecure_path
+            )
+
     def _open(self) -> sqlite3.Connection:
+        self._check_sidecars()
         conn = sqlite3.connect(
-            self.path, isolation_level=None, timeout=self.busy_timeout_s, check_same_thread=False
+            self._uri,
+            uri=True,
+            isolation_level=None,
+            timeout=self.busy_timeout_s,
+            check_same_thread=False,
         )
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
             self._retry_busy(self._use_wal, conn)
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
             self._retry_busy(self._migrate, conn)
+            # SQLite opened (or created) the -wal and -shm by now: one planted by another
+            # user between the check above and the open is caught here.
+            self._check_sidecars()
         except BaseException:
             conn.close()
             raise
@@ -157,13 +297,50 @@ class SQLiteCacheBackend(CacheBackend):
             raise
 
     def _guard(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn`, turning SQLite's failures into a LedgerUnavailable that names the cause."""
+        """Run `fn(connection, *args)` as one operation: inside the fork gate, on this
+        thread's connection, after checking the file is still the one opened. SQLite's
+        failures become a LedgerUnavailable that names the cause."""
+        gate = self._gate
+        gate.enter()
         try:
-            return fn(*args)
+            if self._pid != os.getpid():
+                self._forked_without_hook()
+            self._check_identity()
+            return fn(self._conn(), *args)
         except LedgerUnavailable:
             raise
         except (sqlite3.Error, OSError) as exc:
             raise LedgerUnavailable(self._explain(exc)) from exc
+        finally:
+            gate.leave()
+
+    def _check_identity(self) -> None:
+        # One stat per operation: a ledger deleted or replaced under a running process
+        # must not become a fresh, empty ledger in which committed keys run again.
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise LedgerUnavailable(
+                f"the ledger file {self.path} was deleted while this process had it open; "
+                "refusing to start an empty ledger (committed keys would run again). Restore "
+                "it from a backup, or open a new ledger deliberately"
+            ) from None
+        if (st.st_dev, st.st_ino) != self._identity:
+            raise LedgerUnavailable(
+                f"the ledger file {self.path} was replaced while this process had it open "
+                f"(it was inode {self._identity[1]}, it is now inode {st.st_ino}); refusing "
+                "to use a different ledger than the one opened. Open the ledger again "
+                "deliberately if the replacement is intended"
+            )
+
+    def _drop_connections(self, *, close: bool) -> None:
+        with self._lock:
+            connections, self._connections = self._connections, []
+        self._local = threading.local()
+        if close:
+            for conn in connections:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
 
     def _explain(self, exc: BaseException) -> str:
         text = str(exc)
@@ -186,60 +363,36 @@ class SQLiteCacheBackend(CacheBackend):
     # -- protocol ----------------------------------------------------------------------
 
     def insert(self, record: Record) -> Record | None:
-        conn = self._conn()
         params = (
             record.key, record.status.value, record.token, record.revision,
             record.updated_at, record.to_json(),
         )  # fmt: skip
-        try:
-            while True:
-                # One autocommit statement: SQLite runs it as its own write transaction, so
-                # the insert-if-absent is atomic across threads and processes.
-                if conn.execute(_INSERT, params).rowcount == 1:
-                    return None
-                row = conn.execute(_GET, (record.key,)).fetchone()
-                if row is not None:
-                    return self._decode(row[0])
-                # deleted between the two statements: try the claim again
-        except (sqlite3.Error, OSError) as exc:
-            raise LedgerUnavailable(self._explain(exc)) from exc
+        doc = self._guard(_insert, params)
+        return None if doc is None else self._decode(doc)
 
     def replace(self, current: Record, new: Record) -> bool:
-        conn = self._conn()
-        try:
-            cursor = conn.execute(
-                _REPLACE,
-                (
-                    new.status.value, new.token, new.revision, new.updated_at, new.to_json(),
-                    current.key, current.token, current.revision,
-                ),
-            )  # fmt: skip
-        except (sqlite3.Error, OSError) as exc:
-            raise LedgerUnavailable(self._explain(exc)) from exc
-        return cursor.rowcount == 1
+        params = (
+            new.status.value, new.token, new.revision, new.updated_at, new.to_json(),
+            current.key, current.token, current.revision,
+        )  # fmt: skip
+        return self._guard(_changed, _REPLACE, params)
 
     def get(self, key: str) -> Record | None:
-        row = self._guard(self._conn().execute, _GET, (key,)).fetchone()
-        return None if row is None else self._decode(row[0])
+        doc = self._guard(_fetch_doc, key)
+        return None if doc is None else self._decode(doc)
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
-        conn = self._conn()
         params: tuple[str, ...] = ()
         if status is None:
             sql = "SELECT doc FROM idempotency_records ORDER BY updated_at"
         else:
             sql = "SELECT doc FROM idempotency_records WHERE status = ? ORDER BY updated_at"
             params = (status.value,)
-        rows = self._guard(lambda: conn.execute(sql, params).fetchall())
+        rows = self._guard(_fetch_all, sql, params)
         return iter([self._decode(row[0]) for row in rows])
 
     def delete(self, current: Record) -> bool:
-        cursor = self._guard(
-            self._conn().execute,
-            "DELETE FROM idempotency_records WHERE key = ? AND token = ? AND revision = ?",
-            (current.key, current.token, current.revision),
-        )
-        return cursor.rowcount == 1
+        return self._guard(_changed, _DELETE, (current.key, current.token, current.revision))
 
     def _decode(self, doc: str) -> Record:
         try:
@@ -250,13 +403,70 @@ class SQLiteCacheBackend(CacheBackend):
             ) from exc
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
-        with self._lock:
-            connections, self._connections = self._connections, []
-        for conn in connections:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
-        self._local = threading.local()
+        if self._pid != os.getpid():
+            # Inherited without the fork hooks: these connections are the parent's.
+            self._forked_without_hook()
+            return
+        # Let running operations finish before their connections go.
+        quiet = self._gate.close(self.busy_timeout_s + 1.0)
+        try:
+            self._drop_connections(close=quiet)
+        finally:
+            self._gate.open()
+        _fork.unregister(self)
+
+
+def _insert(conn: sqlite3.Connection, params: tuple[Any, ...]) -> str | None:
+    while True:
+        # One autocommit statement: SQLite runs it as its own write transaction, so the
+        # insert-if-absent is atomic across threads and processes.
+        if conn.execute(_INSERT, params).rowcount == 1:
+            return None
+        row = conn.execute(_GET, (params[0],)).fetchone()
+        if row is not None:
+            return str(row[0])
+        # deleted between the two statements: try the claim again
+
+
+def _changed(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...]) -> bool:
+    return conn.execute(sql, params).rowcount == 1
+
+
+def _fetch_doc(conn: sqlite3.Connection, key: str) -> str | None:
+    row = conn.execute(_GET, (key,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def _fetch_all(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...]) -> list[Any]:
+    return conn.execute(sql, params).fetchall()
+
+
+def _pin_inode(owner: object, path: Path) -> None:
+    """Hold the file's inode for as long as `owner` lives.
+
+    Without it a deleted ledger's inode number can be handed straight to a new file at the
+    same path, which then passes the identity check. Only an O_PATH descriptor will do:
+    closing any other descriptor of the file would drop this process's SQLite locks on it.
+    """
+    if not hasattr(os, "O_PATH"):
+        return  # not Linux: identity rests on the open connections alone
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise LedgerUnavailable(f"cannot open ledger file {path}: {exc}") from exc
+    weakref.finalize(owner, os.close, fd)
+
+
+def _inherited_without_hook(identity: tuple[int, int]) -> str | None:
+    """Why a backend object inherited from a fork that skipped the hooks taints the file."""
+    pid = os.getpid()
+    for backend in list(_backends):
+        if backend._identity == identity and backend._pid != pid and backend._connections:
+            return "the fork bypassed os.register_at_fork"
+    return None
 
 
 def _write_failure() -> str:
