@@ -294,3 +294,55 @@ def test_missing_server_binaries_skip_locally_and_fail_on_ci(
         servers.start_postgres()
     with pytest.raises(outcome, match="redis-server not found"):
         servers.start_redis()
+
+
+# -- URL options (issue 10): ours, libpq's, and nothing else -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [("statment_timeout_s=1", "statment_timeout_s"), ("sslmdoe=require", "sslmdoe"),
+     ("prepare_threshold=0", "prepare_threshold")],
+)  # fmt: skip
+def test_an_unknown_url_option_is_refused_naming_it_and_the_known_ones(
+    query: str, named: str
+) -> None:
+    from crewai_idempotent import LedgerConfigurationError
+
+    url = f"postgresql://app:s3cret@127.0.0.1:1/db?table=t&{query}"
+    with pytest.raises(LedgerConfigurationError) as refused:
+        backend_from_url(url)
+    message = str(refused.value)
+    assert f"unknown PostgreSQL URL option {named!r}" in message
+    # the known ones, ours and libpq's, so a typo can be corrected from the message
+    assert "statement_timeout_s" in message and "sslmode" in message
+    assert "s3cret" not in message
+
+
+def test_url_options_that_would_be_overridden_or_are_given_twice_are_refused() -> None:
+    from crewai_idempotent import LedgerConfigurationError
+
+    with pytest.raises(LedgerConfigurationError, match=r"'connect_timeout'.*connect_timeout_s"):
+        backend_from_url("postgresql://127.0.0.1:1/db?connect_timeout=3")
+    with pytest.raises(LedgerConfigurationError, match="'table' is given twice"):
+        backend_from_url("postgresql://127.0.0.1:1/db?table=a&table=b")
+    with pytest.raises(LedgerConfigurationError, match=r"bad value.*max_size"):
+        backend_from_url("postgresql://127.0.0.1:1/db?max_size=many")
+
+
+def test_libpq_options_arrive_exactly_as_written(
+    postgres_server: PostgresServer, open_ledger: Any
+) -> None:
+    # libpq decodes %20 to a space and keeps + as a plus: the URL must reach it unchanged.
+    for written, arrives in (("my%20app", "my app"), ("a+b", "a+b"), ("x%2By", "x+y")):
+        ledger = open_ledger(postgres_server.fresh_url(application_name=written))
+        ledger.run("k", lambda: "r")
+        backend = ledger.backend
+        assert isinstance(backend, PostgresCacheBackend)
+        seen = backend._call(
+            "checking",
+            lambda conn, _resent: conn.execute("SELECT current_setting('application_name')")
+            .fetchone()[0],
+            retry=False,
+        )  # fmt: skip
+        assert seen == arrives, written

@@ -226,3 +226,51 @@ def test_a_backend_used_before_fork_works_in_the_child(open_ledger: Any) -> None
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert ledger.run("child", lambda: "not again") == "c"
     assert ledger.run("parent-again", lambda: "p2") == "p2"
+
+
+# -- URL options (issue 10): ours, redis-py's, and nothing else ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [("prefx=app:", "prefx"), ("client_nam=crew", "client_nam"),
+     ("credential_provider=x", "credential_provider")],
+)  # fmt: skip
+def test_an_unknown_url_option_is_refused_naming_it_and_the_known_ones(
+    query: str, named: str
+) -> None:
+    from crewai_idempotent import LedgerConfigurationError
+
+    url = f"redis://:s3cret@127.0.0.1:1/0?{query}"
+    with pytest.raises(LedgerConfigurationError) as refused:
+        backend_from_url(url)
+    message = str(refused.value)
+    assert f"unknown Redis URL option {named!r}" in message
+    assert "prefix" in message and "client_name" in message
+    assert "s3cret" not in message
+
+
+@pytest.mark.parametrize(
+    ("query", "why"),
+    [("socket_timeout=100", "timeout_s"), ("retry_on_timeout=yes", "timeout_s"),
+     ("decode_responses=true", "decodes replies"), ("password=x", "in the URL itself"),
+     ("check_persistence=flase", "bad value"), ("prefix=a&prefix=b", "given twice")],
+)  # fmt: skip
+def test_url_options_that_would_undo_the_bounds_or_are_malformed_are_refused(
+    query: str, why: str
+) -> None:
+    from crewai_idempotent import LedgerConfigurationError
+
+    with pytest.raises(LedgerConfigurationError, match=why):
+        backend_from_url(f"redis://127.0.0.1:1/0?{query}")
+
+
+def test_redis_py_options_arrive_as_written(redis_server: RedisServer) -> None:
+    backend = backend_from_url(redis_server.fresh_url(client_name="crew%2Done", protocol=3))
+    try:
+        assert isinstance(backend, RedisCacheBackend)
+        assert Ledger(backend).run("k", lambda: "r") == "r"
+        assert backend.client.client_getname() in ("crew-one", b"crew-one")
+        assert Ledger(backend).run("k", lambda: "again") == "r"  # RESP3 replies replay too
+    finally:
+        backend.close()
