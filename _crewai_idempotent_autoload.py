@@ -74,14 +74,18 @@ def _explain_inactive() -> None:
             # Installed since this was imported by name: the integration's decorator takes
             # the options (and calls this one without them).
             return current(*args, **kwargs)
-        if given:
+        try:
+            return original(*args, **kwargs)
+        except TypeError as exc:
+            if not given:
+                raise
+            # Only when crewai itself refuses them: a crewai that guards natively takes them.
             raise TypeError(
                 f"@tool() got the crewai-idempotent option(s) {', '.join(given)}, but the "
                 "integration is not active: CREWAI_IDEMPOTENT_AUTOLOAD switched its start-up "
                 "hook off. Add `import crewai_idempotent` before defining the tool (or call "
                 "crewai_idempotent.install())"
-            )
-        return original(*args, **kwargs)
+            ) from exc
 
     tool.__doc__ = original.__doc__
     tool.__wrapped__ = original  # type: ignore[attr-defined]
