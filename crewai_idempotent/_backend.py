@@ -17,6 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
+from ._clock import ServerClock
 from ._record import Record, Status
 
 
@@ -29,6 +30,17 @@ class CacheBackend(ABC):
     def now(self) -> float:
         """The store's clock in epoch seconds; leases and TTLs are measured against it."""
         return time.time()
+
+    def now_blocks(self) -> bool:
+        """True when `now()` would ask a server (no reading yet, or a refresh is due).
+
+        The async path then reads the clock on a worker thread before deciding, so the
+        event loop never waits for a round trip. Stores that keep a `ServerClock` in
+        `_clock` (PostgreSQL, Redis) are recognised; a store with another remote clock
+        overrides this.
+        """
+        clock = getattr(self, "_clock", None)
+        return isinstance(clock, ServerClock) and (clock.reading is None or clock.due())
 
     @abstractmethod
     def insert(self, record: Record) -> Record | None:

@@ -1,13 +1,23 @@
 """The guard: claim a key durably before the body runs, replay its receipt afterwards.
 
 The decisions are written once, as generators that yield the blocking steps they need
-(`_Call` a backend, `_Sleep`, `_Ask` a reconciler) and receive their results; `_drive`
-performs those steps. The sync and async entry points share every decision that way.
+(`_Call` a backend, `_Sleep`, `_Park` until news of a key, `_Ask` a reconciler) and
+receive their results. Two drivers perform those steps: `_drive` in the calling thread
+(`run`, `execute`), and `_adrive` on the event loop (`arun`, `aexecute`), where sleeping
+and waiting are `asyncio` waits and backend calls run on the ledger's own bounded thread
+pools: one lane for claims and reads, another for commits, so that an owner's commit
+never queues behind the claims of its waiters.
+
+Callers of one key in one process meet in a `_Room`: one of them asks the store at a
+time (the claim, a poll, a takeover) and publishes what it learnt; the others park until
+that news, or until this process commits the key. A thousand waiters cost one poller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import getpass
 import inspect
 import logging
@@ -15,11 +25,14 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
+from . import _fork
 from ._backend import CacheBackend
 from ._errors import (
+    BodyFailed,
     IdempotencyError,
     IdempotencyKeyConflict,
     LedgerUnavailable,
@@ -41,6 +54,33 @@ Reconciler = Callable[[str, Any], Any]
 Listener = Callable[[str, Record], None]
 
 _MISSING: Any = object()
+_UNKNOWN: Any = object()  # a room whose members have not asked the store yet
+# How long a member waits for the one holding its room before looking again; the holder
+# wakes it sooner when it learns something or lets go.
+_HOLDER_PAUSE = 0.2
+# Waiters woken per turn of the event loop: a thousand waiters woken by one commit
+# resume a batch at a time, so other work on the loop is never held up for long.
+_WAKE_BATCH = 32
+
+# Threads per lane of the async path. Claims and reads share one lane; commits, failures
+# and releases get their own, so a crowd of claimants never delays an owner's commit.
+# Both are small: a store serialises writes to one key anyway, and server pools are
+# sized for a handful of connections per process.
+IO_THREADS = 4
+SETTLE_THREADS = 2
+
+_current_claim: ContextVar[Record | None] = ContextVar(
+    "crewai_idempotent_current_claim", default=None
+)
+
+
+def current_claim() -> Record | None:
+    """The claim (PENDING record) whose body is running in this context, if any.
+
+    Set by `Ledger.run`/`arun` around the body, so a body (or an event it emits) can
+    name the token it runs under. Each asyncio task sees its own.
+    """
+    return _current_claim.get()
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +104,13 @@ class _Options:
 
 
 class _Call:
-    __slots__ = ("args", "fn")
+    """A backend call. `claims` is the PENDING record the call stores if it succeeds: if
+    an async caller is cancelled while it is in flight, a claim that landed is released."""
 
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.fn, self.args = fn, args
+    __slots__ = ("args", "claims", "fn")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, claims: Record | None = None) -> None:
+        self.fn, self.args, self.claims = fn, args, claims
 
 
 class _Sleep:
@@ -77,6 +120,15 @@ class _Sleep:
         self.seconds = seconds
 
 
+class _Park:
+    """Wait until the room has news after generation `seen`, or `seconds` pass."""
+
+    __slots__ = ("room", "seconds", "seen")
+
+    def __init__(self, room: _Room, seen: int, seconds: float) -> None:
+        self.room, self.seen, self.seconds = room, seen, seconds
+
+
 class _Ask:
     __slots__ = ("args", "key", "reconcile")
 
@@ -84,13 +136,13 @@ class _Ask:
         self.reconcile, self.key, self.args = reconcile, key, args
 
 
-Step = Generator[_Call | _Sleep | _Ask, Any, T]
+Step = Generator[_Call | _Sleep | _Park | _Ask, Any, T]
 
 
 class _Claim:
     """A claim this process holds; the lease keeper renews it until `done`."""
 
-    __slots__ = ("done", "due", "lease_s", "lock", "lost", "record", "ttl")
+    __slots__ = ("done", "due", "lease_s", "lock", "lost", "pid", "record", "ttl")
 
     def __init__(self, record: Record, options: _Options) -> None:
         self.record = record
@@ -100,6 +152,7 @@ class _Claim:
         self.done = False
         self.lost = False
         self.due = 0.0
+        self.pid = os.getpid()  # a forked child inherits the object, not the claim
 
 
 class Ledger:
@@ -132,6 +185,8 @@ class Ledger:
         self.commit_retry_s = commit_retry_s
         self._listeners: list[Listener] = [listener] if listener else []
         self._keeper = _LeaseKeeper(backend)
+        self._rooms = _Rooms()
+        self._lanes = _Lanes()
 
     def __repr__(self) -> str:
         return f"Ledger({self.backend!r})"
@@ -161,8 +216,13 @@ class Ledger:
         ttl: float | None = _MISSING,
         reconcile: Reconciler | None = None,
         on_stale: StalePolicy | None = None,
+        wrap_errors: bool = False,
     ) -> Outcome[T]:
-        """Like `run`, but says whether the value was replayed and returns the record."""
+        """Like `run`, but says whether the value was replayed and returns the record.
+
+        With `wrap_errors=True` an exception from the body is raised as `BodyFailed`
+        (the body's exception is its `__cause__`) carrying how it was recorded.
+        """
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
         acquired = self._drive(self._acquire(key, options))
@@ -171,11 +231,16 @@ class Ledger:
         claim: _Claim = acquired
         self._keeper.add(claim)
         try:
+            token = _current_claim.set(claim.record)
             try:
                 value = fn()
             except BaseException as exc:
-                self._settle_failure(claim, exc)
+                failed = self._settle_failure(claim, exc)
+                if wrap_errors and isinstance(exc, Exception):
+                    raise failed from exc
                 raise
+            finally:
+                _current_claim.reset(token)
             try:
                 return self._drive(self._finish(claim, Status.COMMITTED, value=value))
             except LedgerUnavailable:
@@ -199,36 +264,43 @@ class Ledger:
         ttl: float | None = _MISSING,
         reconcile: Reconciler | None = None,
         on_stale: StalePolicy | None = None,
+        wrap_errors: bool = False,
     ) -> Outcome[T]:
+        """Async twin of `execute`. Waiting happens on the event loop; backend calls run on
+        this ledger's own small thread pools, never the loop's default executor."""
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
-        loop = asyncio.get_running_loop()
-        # Backend calls block; they run in a worker thread. The claim is shielded: if this
-        # task is cancelled while the claim is landing, the claim is released as FAILED
-        # (the body never started) instead of being left to go stale.
-        pending = loop.run_in_executor(None, self._drive, self._acquire(key, options), loop)
-        try:
-            acquired = await asyncio.shield(pending)
-        except asyncio.CancelledError:
-            pending.add_done_callback(self._release_unstarted)
-            raise
+        acquired = await self._adrive(self._acquire(key, options), self._lanes.io)
         if isinstance(acquired, Outcome):
             return acquired
         claim: _Claim = acquired
         self._keeper.add(claim)
         try:
+            token = _current_claim.set(claim.record)
             try:
                 value = await fn()
             except BaseException as exc:
-                await _unstoppable(loop, self._settle_failure, claim, exc)
+                # Recorded even if this task is cancelled again meanwhile: a cancelled
+                # body may have had its effect, and that must not be forgotten.
+                failed = await self._unstoppable(self._settle_failure_async(claim, exc))
+                if wrap_errors and isinstance(exc, Exception):
+                    raise failed from exc
                 raise
+            finally:
+                _current_claim.reset(token)
             finish = self._finish(claim, Status.COMMITTED, value=value)
             try:
-                return await _unstoppable(loop, self._drive, finish)
+                return await self._unstoppable(self._adrive(finish, self._lanes.settle))
             except LedgerUnavailable:
                 return self._unrecorded(claim, value)
         finally:
             self._keeper.remove(claim)
+
+    async def _unstoppable(self, work: Awaitable[T]) -> T:
+        """Finish `work` (a commit or a failure record) even if the caller is cancelled."""
+        task = asyncio.ensure_future(work)
+        task.add_done_callback(_observe)
+        return await asyncio.shield(task)
 
     # -- inspection and resolution -----------------------------------------------------
 
@@ -277,6 +349,7 @@ class Ledger:
         return removed
 
     def close(self) -> None:
+        self._lanes.close()
         self.backend.close()
 
     # -- decisions ---------------------------------------------------------------------
@@ -310,89 +383,176 @@ class Ledger:
         return _Options(fingerprint, args, wait_s, lease_s, ttl, reconcile, policy)
 
     def _acquire(self, key: str, o: _Options) -> Step[_Claim | Outcome[Any]]:
-        backend = self.backend
-        held: Record | None = None
-        waited_from = time.monotonic()
-        delay = 0.002
+        rooms = self._rooms
+        room = rooms.enter(key)
+        me = object()
+        try:
+            return (yield from self._acquire_in(room, o, me))
+        finally:
+            rooms.leave(room, me)
+
+    def _acquire_in(self, room: _Room, o: _Options, me: object) -> Step[_Claim | Outcome[Any]]:
+        """Judge the latest news of the key; to learn more or to act, hold the room.
+
+        Only the member holding the room talks to the store; every write it makes and
+        every record it reads is published to the room, so the other members judge the
+        same record without asking the store themselves.
+        """
+        rooms, key = self._rooms, room.key
+        started = time.monotonic()
+        seen, held = rooms.news(room)
         while True:
-            if held is None:
-                now = backend.now()
-                owner = Owner.current()
-                record = Record(
-                    key=key,
-                    status=Status.PENDING,
-                    fingerprint=o.fingerprint,
-                    token=1,
-                    revision=1,
-                    owner=owner,
-                    attempts=1,
-                    created_at=now,
-                    updated_at=now,
-                    lease_expires_at=now + o.lease_s,
-                    history=(Event(now, "claim", 1, owner.label),),
-                )
+            if held is _UNKNOWN:
+                if not rooms.hold(room, seen):
+                    yield _Park(room, seen, _HOLDER_PAUSE)
+                    seen, held = self._catch_up(room, seen, held)
+                    continue
                 try:
-                    held = yield _Call(backend.insert, record)
-                except LedgerUnavailable:
-                    yield from self._release_unanswered(record)
-                    raise
-                if held is None:
-                    self._emit("claim", record)
-                    return _Claim(record, o)
+                    if room.latest is _UNKNOWN or room.latest is None:
+                        claim = yield from self._claim(room, o)
+                        if claim is not None:
+                            return claim
+                    else:
+                        try:
+                            found = yield _Call(self.backend.get, key)
+                        except LedgerUnavailable as exc:
+                            rooms.publish_error(key, exc)
+                            raise
+                        rooms.publish(key, found, read=True)
+                finally:
+                    rooms.release(room)
+                seen, held = rooms.news(room)
                 continue
 
-            now = backend.now()
-            status = held.status
-            if status is Status.COMMITTED and held.expired(now):
-                claim = yield from self._take_over(held, o, "expire", "TTL passed; new operation")
-            elif status is Status.COMMITTED:
+            now = self.backend.now()
+            status = held.status if held is not None else None
+            if held is not None and status is not Status.PENDING and status is not Status.FAILED:
+                if status is Status.COMMITTED and not held.expired(now):
+                    self._check_fingerprint(held, o)
+                    self._emit("replay", held)
+                    return Outcome(held.value(), True, held)
+                if status is Status.UNCERTAIN:
+                    self._check_fingerprint(held, o)
+                    if o.reconcile is None or held.needs_operator:
+                        self._emit("uncertain", held)
+                        raise OutcomeUncertain(key, held, held.error or "the outcome is unknown")
+            if held is not None and status is Status.PENDING and held.lease_live(now):
                 self._check_fingerprint(held, o)
-                self._emit("replay", held)
-                return Outcome(held.value(), True, held)
-            elif status is Status.FAILED:
-                claim = yield from self._take_over(held, o, "takeover", "previous attempt failed")
-            elif status is Status.PENDING and held.lease_live(now):
-                self._check_fingerprint(held, o)
-                waited = time.monotonic() - waited_from
+                waited = time.monotonic() - started
                 if waited >= o.wait_s:
                     self._emit("in_progress", held)
                     raise OperationInProgress(key, held, waited)
                 lease_left = (held.lease_expires_at or now) - now
-                yield _Sleep(min(delay, o.wait_s - waited, lease_left + 0.001))
-                delay = min(delay * 2, 0.2)
-                held = yield _Call(backend.get, key)
+                if rooms.hold(room, seen):
+                    # This member polls for everyone; news from this process (the
+                    # owner's commit) ends the pause early and spares the read.
+                    room.poller = me
+                    polled = False
+                    try:
+                        pause = min(room.delay, o.wait_s - waited, lease_left + 0.001)
+                        yield _Park(room, seen, pause)
+                        if rooms.news(room)[0] == seen:
+                            room.delay = min(room.delay * 2, 0.2)
+                            try:
+                                found = yield _Call(self.backend.get, key)
+                            except LedgerUnavailable as exc:
+                                rooms.publish_error(key, exc)
+                                raise
+                            rooms.publish(key, found, read=True)
+                        polled = True
+                    finally:
+                        rooms.release(room, wake=not polled)
+                    seen, held = rooms.news(room)
+                else:  # woken by news, or when the poller leaves
+                    yield _Park(room, seen, min(o.wait_s - waited, lease_left + 0.001))
+                    seen, held = self._catch_up(room, seen, held)
                 continue
-            elif status is Status.PENDING:  # its owner stopped renewing the lease
+
+            # Every other state needs a write: one member at a time makes it.
+            if status is Status.PENDING:
                 self._check_fingerprint(held, o)
-                lapse = f"lease expired {now - (held.lease_expires_at or now):.1f} s ago"
-                if o.on_stale == "retry":
-                    claim = yield from self._take_over(
-                        held, o, "takeover", f"{lapse}; on_stale=retry"
-                    )
-                elif o.on_stale == "reconcile":
-                    answer = yield from self._reconcile(held, o, lapse)
-                    if answer is not None:
-                        return answer
-                    claim = None
-                else:
-                    yield from self._mark_uncertain(
-                        held,
-                        f"its owner {_label(held)} stopped renewing its lease ({lapse}) "
-                        "before committing: the effect may or may not have happened",
-                    )
-                    claim = None
-            else:  # UNCERTAIN
-                self._check_fingerprint(held, o)
-                if o.reconcile is None or held.needs_operator:
-                    self._emit("uncertain", held)
-                    raise OutcomeUncertain(key, held, held.error or "the outcome is unknown")
-                answer = yield from self._reconcile(held, o, "uncertain")
+            if not rooms.hold(room, seen):
+                yield _Park(room, seen, _HOLDER_PAUSE)
+                seen, held = self._catch_up(room, seen, held)
+                continue
+            try:
+                answer = yield from self._act(room, held, o, now)
                 if answer is not None:
                     return answer
-                claim = None
-            if claim is not None:
-                return claim
-            held = yield _Call(backend.get, key)  # lost a race: look again
+                found = yield _Call(self.backend.get, key)  # lost a race: look again
+                rooms.publish(key, found, read=True)
+            except LedgerUnavailable as exc:
+                rooms.publish_error(key, exc)
+                raise
+            finally:
+                rooms.release(room)
+            seen, held = rooms.news(room)
+
+    def _catch_up(self, room: _Room, seen: int, held: Any) -> tuple[int, Any]:
+        """After a pause: the room's news if there is any, else what this member knew."""
+        generation, latest = self._rooms.news(room)
+        if generation == seen:
+            return seen, held
+        error = room.error
+        if error is not None and latest is _UNKNOWN:
+            raise LedgerUnavailable(error.message) from error
+        return generation, latest
+
+    def _claim(self, room: _Room, o: _Options) -> Step[_Claim | None]:
+        """Insert the claim; None (with the holder published) if the key is taken."""
+        now = self.backend.now()
+        owner = Owner.current()
+        record = Record(
+            key=room.key,
+            status=Status.PENDING,
+            fingerprint=o.fingerprint,
+            token=1,
+            revision=1,
+            owner=owner,
+            attempts=1,
+            created_at=now,
+            updated_at=now,
+            lease_expires_at=now + o.lease_s,
+            history=(Event(now, "claim", 1, owner.label),),
+        )
+        try:
+            holder = yield _Call(self.backend.insert, record, claims=record)
+        except LedgerUnavailable as exc:
+            self._rooms.publish_error(room.key, exc)
+            yield from self._release_unanswered(record)
+            raise
+        if holder is None:
+            self._rooms.publish(room.key, record)
+            self._emit("claim", record)
+            return _Claim(record, o)
+        self._rooms.publish(room.key, holder, read=True)
+        return None
+
+    def _act(
+        self, room: _Room, held: Record | None, o: _Options, now: float
+    ) -> Step[_Claim | Outcome[Any] | None]:
+        """The write a record calls for; None if another writer got there first."""
+        if held is None:
+            return (yield from self._claim(room, o))
+        status = held.status
+        if status is Status.COMMITTED:  # expired
+            return (yield from self._take_over(held, o, "expire", "TTL passed; new operation"))
+        if status is Status.FAILED:
+            return (yield from self._take_over(held, o, "takeover", "previous attempt failed"))
+        if status is Status.UNCERTAIN:  # with a reconciler
+            return (yield from self._reconcile(held, o, "uncertain"))
+        # PENDING whose owner stopped renewing the lease
+        lapse = f"lease expired {now - (held.lease_expires_at or now):.1f} s ago"
+        if o.on_stale == "retry":
+            return (yield from self._take_over(held, o, "takeover", f"{lapse}; on_stale=retry"))
+        if o.on_stale == "reconcile":
+            return (yield from self._reconcile(held, o, lapse))
+        yield from self._mark_uncertain(
+            held,
+            f"its owner {_label(held)} stopped renewing its lease ({lapse}) "
+            "before committing: the effect may or may not have happened",
+        )
+        return None
 
     def _release_unanswered(self, record: Record) -> Step[None]:
         """The store failed to answer a claim that may nonetheless have landed. The body
@@ -408,7 +568,8 @@ class Ledger:
                 Event(now, "fail", held.token, _label(held), note),
                 status=Status.FAILED, error=note, updated_at=now, lease_expires_at=None,
             )  # fmt: skip
-            yield _Call(self.backend.replace, held, released)
+            if (yield _Call(self.backend.replace, held, released)):
+                self._rooms.publish(released.key, released)
         except LedgerUnavailable:
             pass  # still unreachable: a claim that landed lapses and is treated as stale
 
@@ -434,7 +595,8 @@ class Ledger:
             result=None,
             error=None,
         )
-        if (yield _Call(self.backend.replace, held, new)):
+        if (yield _Call(self.backend.replace, held, new, claims=new)):
+            self._rooms.publish(new.key, new)
             self._emit("claim", new)
             return _Claim(new, o)
         return None
@@ -449,6 +611,7 @@ class Ledger:
             error=reason,
         )
         if (yield _Call(self.backend.replace, held, new)):
+            self._rooms.publish(new.key, new)
             self._emit("uncertain", new)
             raise OutcomeUncertain(held.key, new, reason)
 
@@ -467,6 +630,7 @@ class Ledger:
                 error=None,
             )
             if (yield _Call(self.backend.replace, held, new)):
+                self._rooms.publish(new.key, new)
                 self._emit("reconciled", new)
                 return Outcome(verdict.result, True, new)
             return None
@@ -488,16 +652,40 @@ class Ledger:
         )
         return Outcome(value, False, claim.record)
 
-    def _settle_failure(self, claim: _Claim, exc: BaseException) -> None:
+    def _settle_failure(self, claim: _Claim, exc: BaseException) -> BodyFailed:
         status, reason = classify_failure(exc)
         try:
-            self._drive(self._finish(claim, status, reason=reason))
-        except Exception:
-            log.exception("could not record %s for %r", status, claim.record.key)
+            outcome = self._drive(self._finish(claim, status, reason=reason))
+        except Exception as error:  # noqa: BLE001 - the body's own exception is raised
+            return self._unsettled(claim, status, reason, error)
+        return BodyFailed(claim.record.key, status, reason, _settled(outcome, status))
+
+    async def _settle_failure_async(self, claim: _Claim, exc: BaseException) -> BodyFailed:
+        status, reason = classify_failure(exc)
+        try:
+            outcome = await self._adrive(
+                self._finish(claim, status, reason=reason), self._lanes.settle
+            )
+        except Exception as error:  # noqa: BLE001 - the body's own exception is raised
+            return self._unsettled(claim, status, reason, error)
+        return BodyFailed(claim.record.key, status, reason, _settled(outcome, status))
+
+    def _unsettled(
+        self, claim: _Claim, status: Status, reason: str, error: Exception
+    ) -> BodyFailed:
+        log.error("could not record %s for %r", status, claim.record.key, exc_info=error)
+        record = error.record if isinstance(error, OutcomeUncertain) else None
+        return BodyFailed(claim.record.key, status, reason, record)
 
     def _finish(
         self, claim: _Claim, status: Status, *, value: Any = _MISSING, reason: str | None = None
     ) -> Step[Outcome[Any]]:
+        if claim.pid != os.getpid():
+            # A child forked while the body ran: the claim is its parent's to settle.
+            raise LedgerUnavailable(
+                f"the claim on {claim.record.key!r} belongs to process {claim.pid}, which "
+                f"forked this one ({os.getpid()}); only its owner records its outcome"
+            )
         with claim.lock:  # no renewal may write after this point
             claim.done = True
             current = claim.record
@@ -531,11 +719,12 @@ class Ledger:
                 yield _Sleep(delay)
                 delay = min(delay * 2, 1.0)
         if stored:
+            self._rooms.publish(new.key, new)
             self._emit(kind, new)
             return Outcome(value, False, new)
         if status is Status.FAILED:
             log.warning("claim on %r was taken over while its body failed", current.key)
-            return Outcome(None, False, new)
+            return Outcome(None, False, current)
         try:
             settled = yield from self._fenced(current, kind, payload, reason)
         except LedgerUnavailable as exc:
@@ -580,6 +769,7 @@ class Ledger:
                     error=note, needs_operator=True, evidence=(*mine.evidence, evidence),
                 )  # fmt: skip
                 if (yield _Call(self.backend.insert, new)) is None:
+                    self._rooms.publish(new.key, new)
                     break
                 continue
             new = held.evolve(
@@ -588,6 +778,7 @@ class Ledger:
                 error=note, needs_operator=True, evidence=(*held.evidence, evidence),
             )  # fmt: skip
             if (yield _Call(self.backend.replace, held, new)):
+                self._rooms.publish(new.key, new)
                 break
         self._emit("uncertain", new)
         raise OutcomeUncertain(mine.key, new, note)
@@ -631,6 +822,7 @@ class Ledger:
                 status=Status.UNCERTAIN, error=reason, updated_at=now, lease_expires_at=None,
             )  # fmt: skip
         if (yield _Call(self.backend.replace, held, new)):
+            self._rooms.publish(new.key, new)
             self._emit("commit" if new.status is Status.COMMITTED else "uncertain", new)
             return new
         return None
@@ -662,6 +854,7 @@ class Ledger:
                     expires_at=now + self.ttl if self.ttl else None,  # as a commit would
                 )  # fmt: skip
             if (yield _Call(self.backend.replace, held, new)):
+                self._rooms.publish(new.key, new)
                 self._emit("resolve", new)
                 return new
 
@@ -672,45 +865,122 @@ class Ledger:
         return (yield _Call(lambda: list(self.backend.scan(status))))
 
     def _delete(self, record: Record) -> Step[bool]:
-        return (yield _Call(self.backend.delete, record))
+        deleted = yield _Call(self.backend.delete, record)
+        if deleted:
+            self._rooms.publish(record.key, None)
+        return bool(deleted)
+
+    def _release_unstarted(self, claim: Record) -> Step[None]:
+        # The body never started, so nothing can have happened: FAILED lets the next
+        # attempt run (a CancelledError from inside a body would make it UNCERTAIN).
+        note = "cancelled before the body started"
+        now = self.backend.now()
+        released = claim.evolve(
+            Event(now, "fail", claim.token, _label(claim), note),
+            status=Status.FAILED, error=note, updated_at=now, lease_expires_at=None,
+        )  # fmt: skip
+        if (yield _Call(self.backend.replace, claim, released)):
+            self._rooms.publish(claim.key, released)
+            self._emit("fail", released)
 
     # -- performing the steps ----------------------------------------------------------
 
-    def _drive(self, steps: Step[T], loop: asyncio.AbstractEventLoop | None = None) -> T:
+    def _drive(self, steps: Step[T]) -> T:
+        """Perform the steps in this thread."""
         reply: Any = None
         error: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            reply = error = None
-            if type(step) is _Call:
+        try:
+            while True:
                 try:
-                    reply = step.fn(*step.args)
-                except IdempotencyError as exc:
-                    error = exc
-                except Exception as exc:  # noqa: BLE001 - fail closed on anything a store raises
-                    error = LedgerUnavailable(f"{self.backend!r}: {type(exc).__name__}: {exc}")
-                    error.__cause__ = exc
-            elif type(step) is _Sleep:
-                time.sleep(max(step.seconds, 0.0))
-            else:
-                assert type(step) is _Ask
-                reply = _ask(step, loop)
+                    step = steps.send(reply) if error is None else steps.throw(error)
+                except StopIteration as stop:
+                    return stop.value
+                reply = error = None
+                if type(step) is _Call:
+                    try:
+                        reply = step.fn(*step.args)
+                    except IdempotencyError as exc:
+                        error = exc
+                    except Exception as exc:  # noqa: BLE001 - fail closed on anything a store raises
+                        error = self._unavailable(exc)
+                elif type(step) is _Park:
+                    self._rooms.park(step.room, step.seen, step.seconds)
+                elif type(step) is _Sleep:
+                    time.sleep(max(step.seconds, 0.0))
+                else:
+                    assert type(step) is _Ask
+                    reply = _ask(step)
+        finally:
+            steps.close()  # a member that leaves early still leaves its room
 
-    def _release_unstarted(self, pending: asyncio.Future[Any]) -> None:
-        if pending.cancelled() or pending.exception() is not None:
-            return
-        acquired = pending.result()
-        if isinstance(acquired, _Claim):
-            # The body never started, so nothing can have happened: FAILED lets the next
-            # attempt run (a CancelledError from inside a body would make it UNCERTAIN).
-            unstarted = "cancelled before the body started"
-            try:
-                self._drive(self._finish(acquired, Status.FAILED, reason=unstarted))
-            except Exception:  # the caller is gone; the lease lapses and the next one decides
-                log.exception("could not release the unstarted claim on %r", acquired.record.key)
+    async def _adrive(self, steps: Step[T], lane: Callable[[], concurrent.futures.Executor]) -> T:
+        """Perform the steps on the event loop: waits are asyncio waits, backend calls run
+        on `lane`, one of this ledger's thread pools."""
+        backend = self.backend
+        reply: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                if backend.now_blocks():
+                    # Decisions read the store's clock; a server clock that needs a round
+                    # trip is read on the lane, not on the loop.
+                    try:
+                        await asyncio.wrap_future(lane().submit(backend.now))
+                    except IdempotencyError:
+                        raise
+                    except Exception as exc:
+                        raise self._unavailable(exc) from exc
+                try:
+                    step = steps.send(reply) if error is None else steps.throw(error)
+                except StopIteration as stop:
+                    return stop.value
+                reply = error = None
+                if type(step) is _Call:
+                    try:
+                        reply = await self._acall(step, lane)
+                    except IdempotencyError as exc:
+                        error = exc
+                    except Exception as exc:  # noqa: BLE001 - fail closed on anything a store raises
+                        error = self._unavailable(exc)
+                elif type(step) is _Park:
+                    await self._rooms.apark(step.room, step.seen, step.seconds)
+                elif type(step) is _Sleep:
+                    await asyncio.sleep(max(step.seconds, 0.0))
+                else:
+                    assert type(step) is _Ask
+                    reply = await _aask(step, self._lanes.io)
+        finally:
+            steps.close()
+
+    async def _acall(self, step: _Call, lane: Callable[[], concurrent.futures.Executor]) -> Any:
+        future = lane().submit(step.fn, *step.args)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if step.claims is not None:
+                # The claim may land after this task is gone: release it then.
+                future.add_done_callback(lambda done: self._release_landed(step, done))
+            raise
+
+    def _release_landed(self, step: _Call, done: concurrent.futures.Future[Any]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return  # it never ran, or it did not store anything we know of
+        claim = step.claims
+        assert claim is not None
+        inserted = step.args[0] is claim
+        if (done.result() is None) if inserted else (done.result() is True):
+            self._lanes.settle().submit(self._release_quietly, claim)
+
+    def _release_quietly(self, claim: Record) -> None:
+        try:
+            self._drive(self._release_unstarted(claim))
+        except Exception:  # the caller is gone; the lease lapses and the next one decides
+            log.exception("could not release the unstarted claim on %r", claim.key)
+
+    def _unavailable(self, exc: Exception) -> LedgerUnavailable:
+        error = LedgerUnavailable(f"{self.backend!r}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
 
     def _emit(self, kind: str, record: Record) -> None:
         for listener in self._listeners:
@@ -720,8 +990,221 @@ class Ledger:
                 log.exception("idempotency listener %r failed on %s", listener, kind)
 
 
+class _Room:
+    """The callers of one key in one process (threads and tasks alike), and what they
+    last learnt about it. Guarded by the `_Rooms` lock."""
+
+    __slots__ = (
+        "delay", "error", "event", "futures", "generation", "held", "held_at", "key",
+        "latest", "members", "poller",
+    )  # fmt: skip
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.latest: Any = _UNKNOWN  # the newest record known here (None: absent)
+        self.error: LedgerUnavailable | None = None  # the last answer was this failure
+        self.generation = 0  # grows with every piece of news
+        self.held = False  # a member is asking the store or writing
+        self.held_at = 0
+        self.members = 0
+        self.poller: object | None = None  # the member that polls the store for the others
+        self.delay = 0.002  # the poller's pause; doubles up to 0.2 s
+        self.event: threading.Event | None = None  # parked threads
+        self.futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+
+
+class _Rooms:
+    """One room per key with callers waiting in this process; none when nobody waits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rooms: dict[str, _Room] = {}
+        _fork.register(self)
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def enter(self, key: str) -> _Room:
+        with self._lock:
+            room = self._rooms.get(key)
+            if room is None:
+                room = self._rooms[key] = _Room(key)
+            room.members += 1
+            return room
+
+    def leave(self, room: _Room, member: object) -> None:
+        with self._lock:
+            room.members -= 1
+            if room.members <= 0:
+                if self._rooms.get(room.key) is room:
+                    del self._rooms[room.key]
+            elif room.poller is member:
+                room.poller = None
+                self._wake(room)  # the others need a new poller
+
+    def news(self, room: _Room) -> tuple[int, Any]:
+        with self._lock:
+            return room.generation, room.latest
+
+    def hold(self, room: _Room, seen: int) -> bool:
+        """Become the member that talks to the store, unless one is or news came in."""
+        with self._lock:
+            if room.held or room.generation != seen:
+                return False
+            room.held, room.held_at = True, room.generation
+            return True
+
+    def release(self, room: _Room, *, wake: bool = True) -> None:
+        with self._lock:
+            room.held = False
+            if wake and room.generation == room.held_at:
+                self._wake(room)  # nothing learnt: a parked member takes over
+
+    def publish(self, key: str, record: Record | None, *, read: bool = False) -> None:
+        """News of `key`: a record this process wrote (or read, or None: absent)."""
+        with self._lock:
+            room = self._rooms.get(key)
+            if room is None:
+                return
+            known = room.latest
+            if read and isinstance(known, Record) and record is not None:
+                # A read that started before a write of ours must not hide it, and one
+                # that saw nothing new is no news.
+                if (known.token, known.revision) >= (record.token, record.revision):
+                    return
+            elif read and known is None and record is None:
+                return
+            room.latest, room.error = record, None
+            self._wake(room)
+
+    def publish_error(self, key: str, error: LedgerUnavailable) -> None:
+        with self._lock:
+            room = self._rooms.get(key)
+            if room is not None:
+                room.error = error
+                self._wake(room)
+
+    def park(self, room: _Room, seen: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        with self._lock:
+            if room.generation != seen:
+                return
+            event = room.event
+            if event is None:
+                event = room.event = threading.Event()
+        event.wait(seconds)
+
+    async def apark(self, room: _Room, seen: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if room.generation != seen:
+                return
+            room.futures.setdefault(loop, []).append(future)
+        timer = loop.call_later(seconds, _resolve, future)
+        try:
+            await future  # cancelling this task cancels only its own future
+        finally:
+            timer.cancel()
+
+    def _wake(self, room: _Room) -> None:
+        room.generation += 1
+        if room.event is not None:
+            room.event.set()
+            room.event = None
+        if room.futures:
+            running = asyncio._get_running_loop()
+            for loop, futures in room.futures.items():
+                if loop is running:
+                    _resolve_batches(futures)
+                else:
+                    with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
+                        loop.call_soon_threadsafe(_resolve_batches, futures)
+            room.futures = {}
+
+    def before_fork(self) -> None:
+        self._lock.acquire()
+
+    def after_fork_in_parent(self) -> None:
+        self._lock.release()
+
+    def after_fork_in_child(self) -> None:
+        # The waiters are the parent's threads and tasks; none of them exist here.
+        self._lock = threading.Lock()
+        self._rooms = {}
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _resolve_batches(futures: list[asyncio.Future[None]], start: int = 0) -> None:
+    end = start + _WAKE_BATCH
+    for future in futures[start:end]:
+        _resolve(future)
+    if end < len(futures):
+        asyncio.get_running_loop().call_soon(_resolve_batches, futures, end)
+
+
+class _Lanes:
+    """The async path's thread pools, created on first use and again after fork().
+
+    `io` carries claims and reads; `settle` carries commits, failures and releases, so
+    an owner's commit never waits behind the claims of a crowd of waiters.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._io: concurrent.futures.ThreadPoolExecutor | None = None
+        self._settle: concurrent.futures.ThreadPoolExecutor | None = None
+        _fork.register(self)
+
+    def io(self) -> concurrent.futures.ThreadPoolExecutor:
+        return self._io or self._make("io", IO_THREADS)
+
+    def settle(self) -> concurrent.futures.ThreadPoolExecutor:
+        return self._settle or self._make("settle", SETTLE_THREADS)
+
+    def _make(self, lane: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            pool: concurrent.futures.ThreadPoolExecutor | None = getattr(self, f"_{lane}")
+            if pool is None:
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    threads, thread_name_prefix=f"crewai-idempotent-{lane}"
+                )
+                setattr(self, f"_{lane}", pool)
+            return pool
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._io, self._settle = (self._io, self._settle), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=False)
+
+    def before_fork(self) -> None:
+        self._lock.acquire()
+
+    def after_fork_in_parent(self) -> None:
+        self._lock.release()
+
+    def after_fork_in_child(self) -> None:
+        # The pools' threads stayed in the parent; dropped, never shut down from here.
+        self._lock = threading.Lock()
+        self._io = self._settle = None
+
+
 class _LeaseKeeper:
-    """One daemon thread per ledger that renews the leases of the claims this process runs."""
+    """One daemon thread per ledger that renews the leases of the claims this process runs.
+
+    Across fork() the child starts with an empty table: the claims are the parent's, and
+    renewing them from the child would keep a dead parent's claim alive as long as the
+    child lives. The child's own claims start the child's own thread.
+    """
 
     def __init__(self, backend: CacheBackend) -> None:
         self._backend = backend
@@ -729,14 +1212,13 @@ class _LeaseKeeper:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
+        _fork.register(self)
 
     def add(self, claim: _Claim) -> None:
         claim.due = time.monotonic() + claim.lease_s / 3
         with self._lock:
             self._claims[id(claim)] = claim
-            if self._thread is None or self._pid != os.getpid():  # after fork(): no thread
-                self._pid = os.getpid()
+            if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._loop, name="crewai-idempotent-leases", daemon=True
                 )
@@ -748,10 +1230,30 @@ class _LeaseKeeper:
         with self._lock:
             self._claims.pop(id(claim), None)
 
+    def claims(self) -> list[Record]:
+        """The claims whose leases this process renews."""
+        with self._lock:
+            return [claim.record for claim in self._claims.values()]
+
+    def before_fork(self) -> None:
+        self._lock.acquire()  # the table is copied whole, never mid-change
+
+    def after_fork_in_parent(self) -> None:
+        self._lock.release()
+
+    def after_fork_in_child(self) -> None:
+        self._claims = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread = None
+
     def _loop(self) -> None:
         idle_since = time.monotonic()
+        me = threading.current_thread()
         while True:
             with self._lock:
+                if self._thread is not me:  # a fork() child's copy of the table
+                    return
                 claims = list(self._claims.values())
                 now = time.monotonic()
                 if not claims and now - idle_since > 5.0:
@@ -791,19 +1293,36 @@ class _LeaseKeeper:
                 log.warning("lease on %r was taken over by another worker", current.key)
 
 
-def _ask(step: _Ask, loop: asyncio.AbstractEventLoop | None) -> Verdict:
-    """Call a reconciler and normalise what it says; raising means Unknown."""
+def _ask(step: _Ask) -> Verdict:
+    """Call a reconciler from the sync path and normalise what it says."""
     try:
         answer = step.reconcile(step.key, step.args)
         if inspect.isawaitable(answer):
-            if loop is None:
-                close = getattr(answer, "close", None)
-                if close:
-                    close()
-                return Unknown("an async reconciler cannot be used from the sync run()")
-            answer = asyncio.run_coroutine_threadsafe(_await(answer), loop).result()
+            close = getattr(answer, "close", None)
+            if close:
+                close()
+            return Unknown("an async reconciler cannot be used from the sync run()")
     except Exception as exc:  # noqa: BLE001
         return Unknown(f"reconciler raised {type(exc).__name__}: {exc}")
+    return _verdict(answer)
+
+
+async def _aask(step: _Ask, lane: Callable[[], concurrent.futures.Executor]) -> Verdict:
+    """Await an async reconciler on the loop; run a sync one on the lane."""
+    try:
+        if inspect.iscoroutinefunction(step.reconcile):
+            answer = await step.reconcile(step.key, step.args)
+        else:
+            submitted = lane().submit(step.reconcile, step.key, step.args)
+            answer = await asyncio.wrap_future(submitted)
+            if inspect.isawaitable(answer):
+                answer = await answer
+    except Exception as exc:  # noqa: BLE001
+        return Unknown(f"reconciler raised {type(exc).__name__}: {exc}")
+    return _verdict(answer)
+
+
+def _verdict(answer: Any) -> Verdict:
     if answer is Absent:
         return Absent()
     if answer is Unknown:
@@ -813,13 +1332,15 @@ def _ask(step: _Ask, loop: asyncio.AbstractEventLoop | None) -> Verdict:
     return Unknown(f"reconciler returned {answer!r}, not Found(result), Absent or Unknown")
 
 
-async def _await(awaitable: Awaitable[T]) -> T:
-    return await awaitable
+def _settled(outcome: Outcome[Any], status: Status) -> Record | None:
+    """The record a failure was stored as, or None if a takeover got there first."""
+    return outcome.record if outcome.record.status is status else None
 
 
-async def _unstoppable(loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args: Any) -> T:
-    """Run a ledger write in a thread that a cancellation of the caller cannot interrupt."""
-    return await asyncio.shield(loop.run_in_executor(None, fn, *args))
+def _observe(task: asyncio.Future[Any]) -> None:
+    # A commit outlives a cancelled caller; its failure is logged where it happens.
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("ledger write finished after its caller left", exc_info=task.exception())
 
 
 def classify_failure(exc: BaseException) -> tuple[Status, str]:

@@ -409,39 +409,60 @@ def test_a_tool_timeout_is_uncertain(ledger: Ledger, provider: Provider) -> None
     assert len(provider.effects("k")) == 1
 
 
-def test_cancelled_before_the_body_started_is_failed(ledger: Ledger, provider: Provider) -> None:
-    claimed = threading.Event()
-    hold = threading.Event()
+class _SlowClaims(CacheBackend):
+    """`backend`, with each claim (insert) held until `release` is set: the claim is in
+    flight on a worker thread while the caller is cancelled."""
 
-    def listener(kind: str, record: Record) -> None:
-        if kind == "claim":
-            claimed.set()
-            hold.wait(10)  # the claim has landed; keep the acquiring thread here
+    def __init__(self, backend: CacheBackend) -> None:
+        self.backend = backend
+        self.inserting, self.release = threading.Event(), threading.Event()
 
-    ledger.add_listener(listener)
+    def insert(self, record: Record) -> Record | None:
+        self.inserting.set()
+        assert self.release.wait(10)
+        return self.backend.insert(record)
+
+    def replace(self, current: Record, new: Record) -> bool:
+        return self.backend.replace(current, new)
+
+    def get(self, key: str) -> Record | None:
+        return self.backend.get(key)
+
+    def scan(self, status: Status | None = None) -> Iterator[Record]:
+        return self.backend.scan(status)
+
+    def delete(self, current: Record) -> bool:
+        return self.backend.delete(current)
+
+
+def test_cancelled_before_the_body_started_is_failed(
+    backend: CacheBackend, provider: Provider
+) -> None:
+    slow = _SlowClaims(backend)
+    ledger = Ledger(slow)
 
     async def body() -> str:
         return provider.charge("k")
 
     async def main() -> None:
         task = asyncio.create_task(ledger.arun("k", body))
-        while not claimed.is_set():
+        while not slow.inserting.is_set():
             await asyncio.sleep(0.005)
-        task.cancel()
+        task.cancel()  # while the claim is on its way to the store
         with pytest.raises(asyncio.CancelledError):
             await task
-        hold.set()
-        for _ in range(200):
-            record = ledger.get("k")
+        slow.release.set()  # now it lands, with nobody left to run the body
+        for _ in range(500):
+            record = backend.get("k")
             if record is not None and record.status is not Status.PENDING:
                 return
             await asyncio.sleep(0.01)
 
     asyncio.run(main())
-    ledger.remove_listener(listener)
     assert provider.effects("k") == []
-    record = ledger.get("k")
+    record = backend.get("k")
     assert record is not None and record.status is Status.FAILED
+    assert "cancelled before the body started" in (record.error or "")
     assert ledger.run("k", _charging(provider, "k")) == provider.receipts("k")[0]
 
 

@@ -18,11 +18,11 @@ import weakref
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from .._errors import IdempotencyKeyConflict, OperationInProgress, OutcomeUncertain
+from .._errors import BodyFailed, IdempotencyKeyConflict, OperationInProgress, OutcomeUncertain
 from .._keys import validate_key
-from .._ledger import Ledger, Outcome, classify_failure
+from .._ledger import Outcome, current_claim
 from .._record import Record, Status
 from ._config import IdempotencyConfig, Settings, ToolOptions, resolve
 from ._keying import KEY_PARAMETER, KeyContext, derive_key
@@ -263,23 +263,6 @@ def _prepare(
 
 # -- events ----------------------------------------------------------------------------
 
-_claims: dict[tuple[int, str], Record] = {}
-_listening: weakref.WeakSet[Ledger] = weakref.WeakSet()
-
-
-def _watch(ledger: Ledger) -> None:
-    """Remember each claim this process makes, so the claim event can carry its token."""
-    if ledger in _listening:
-        return
-    _listening.add(ledger)
-    backend_id = id(ledger.backend)
-
-    def remember(kind: str, record: Record) -> None:
-        if kind == "claim":
-            _claims[(backend_id, record.key)] = record
-
-    ledger.add_listener(remember)
-
 
 def _emit(
     event_type: type[IdempotencyEvent], call: _Call, record: Record | None, **fields: Any
@@ -312,15 +295,10 @@ def _emit(
         log.exception("could not emit %s for %r", event_type.__name__, call.key)
 
 
-def _forget_claim(call: _Call) -> None:
-    # A claim whose body never started (an async caller cancelled meanwhile) leaves one.
-    _claims.pop((id(call.settings.ledger.backend), call.key), None)
-
-
 def _claimed(call: _Call) -> None:
     from .events import IdempotencyClaimEvent
 
-    record = _claims.pop((id(call.settings.ledger.backend), call.key), None)
+    record = current_claim()  # set by the ledger around the body it is about to run
     takeover = record is not None and record.token > 1
     _emit(IdempotencyClaimEvent, call, record, takeover=takeover)
 
@@ -352,29 +330,34 @@ def _uncertain(call: _Call, error: OutcomeUncertain) -> BaseException:
     return error
 
 
-def _from_body(call: _Call, exc: BaseException) -> OutcomeUncertain | None:
-    """The body said (or showed) that its effect may have happened."""
-    status, reason = classify_failure(exc)  # the same rule the ledger used to record it
-    if status is not Status.UNCERTAIN or not isinstance(exc, Exception):
-        return None
-    try:
-        record = call.settings.ledger.get(call.key)
-    except Exception:  # noqa: BLE001 - the reason is what matters; the record is a courtesy
-        record = None
-    error = OutcomeUncertain(call.key, record, reason)
-    error.__cause__ = exc
-    return error
-
-
-def _failed(call: _Call, exc: Exception, failure: list[BaseException]) -> BaseException:
+def _failed(call: _Call, exc: Exception) -> BaseException:
     """What a guarded call that did not return raises, with the matching event emitted."""
     if isinstance(exc, IdempotencyKeyConflict | OperationInProgress):
         _refused(call, exc)
         return exc
     if isinstance(exc, OutcomeUncertain):
         return _uncertain(call, exc)
-    uncertain = _from_body(call, exc) if failure and exc is failure[0] else None
-    return exc if uncertain is None else _uncertain(call, uncertain)
+    if isinstance(exc, BodyFailed):
+        cause = exc.__cause__
+        assert isinstance(cause, Exception)  # the ledger wraps only Exceptions
+        if exc.status != Status.UNCERTAIN:
+            return cause
+        # The body said (or showed) that its effect may have happened.
+        uncertain = OutcomeUncertain(call.key, exc.record, exc.reason)
+        uncertain.__cause__ = cause
+        return _uncertain(call, uncertain)
+    return exc
+
+
+def _raise(call: _Call, exc: Exception) -> NoReturn:
+    raised = _failed(call, exc)
+    if raised is exc:
+        raise exc
+    if isinstance(exc, BodyFailed):
+        if raised is exc.__cause__:
+            raise raised  # the body's own exception, as the body raised it
+        raise raised from exc.__cause__
+    raise raised from exc
 
 
 # -- the guard -------------------------------------------------------------------------
@@ -393,17 +376,12 @@ def call(
     if prepared is None:
         return fn(*args, **kwargs)
     ledger = prepared.settings.ledger
-    _watch(ledger)
-    failure: list[BaseException] = []
 
     def body() -> Any:
         _claimed(prepared)
         token = _running.set(_running.get() | {prepared.key})
         try:
             return fn(*args, **kwargs)
-        except BaseException as exc:
-            failure.append(exc)
-            raise
         finally:
             _running.reset(token)
 
@@ -413,18 +391,16 @@ def call(
             body,
             fingerprint=prepared.fingerprint,
             args=prepared.args,
+            wrap_errors=True,
             **prepared.settings.ledger_options(),
         )
-    except Exception as exc:
-        raised = _failed(prepared, exc, failure)
-        if raised is exc:
-            raise
-        raise raised from exc
-    finally:
-        _forget_claim(prepared)
-    if outcome.replayed:
-        _replayed(prepared, outcome)
-    return outcome.value
+    except Exception as exc:  # noqa: BLE001 - each kind is sorted out in _failed
+        error: Exception = exc
+    else:
+        if outcome.replayed:
+            _replayed(prepared, outcome)
+        return outcome.value
+    _raise(prepared, error)  # outside the except block: no implicit chaining
 
 
 async def acall(
@@ -440,17 +416,12 @@ async def acall(
     if prepared is None:
         return await fn(*args, **kwargs)
     ledger = prepared.settings.ledger
-    _watch(ledger)
-    failure: list[BaseException] = []
 
     async def body() -> Any:
         _claimed(prepared)
         token = _running.set(_running.get() | {prepared.key})
         try:
             return await fn(*args, **kwargs)
-        except BaseException as exc:
-            failure.append(exc)
-            raise
         finally:
             _running.reset(token)
 
@@ -460,15 +431,13 @@ async def acall(
             body,
             fingerprint=prepared.fingerprint,
             args=prepared.args,
+            wrap_errors=True,
             **prepared.settings.ledger_options(),
         )
-    except Exception as exc:
-        raised = _failed(prepared, exc, failure)
-        if raised is exc:
-            raise
-        raise raised from exc
-    finally:
-        _forget_claim(prepared)
-    if outcome.replayed:
-        _replayed(prepared, outcome)
-    return outcome.value
+    except Exception as exc:  # noqa: BLE001 - each kind is sorted out in _failed
+        error: Exception = exc
+    else:
+        if outcome.replayed:
+            _replayed(prepared, outcome)
+        return outcome.value
+    _raise(prepared, error)
