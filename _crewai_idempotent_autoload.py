@@ -69,7 +69,7 @@ def _explain_inactive() -> None:
 
     def tool(*args: object, **kwargs: object) -> object:
         given = sorted(k for k in kwargs if k in OPTION_NAMES)
-        current = base_tool_module.tool
+        current: Any = base_tool_module.tool
         if given and current is not tool:
             # Installed since this was imported by name: the integration's decorator takes
             # the options (and calls this one without them).

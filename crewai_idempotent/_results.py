@@ -203,6 +203,44 @@ def decode(payload: Any) -> Any:
     return payload["v"]
 
 
+def unrestorable(payload: Any) -> list[str]:
+    """The classes (module:qualname) a stored payload names that cannot be re-created here:
+    decoding would replay their plain data instead."""
+    if not isinstance(payload, dict):
+        return []
+    if payload.get("t") == "pydantic":
+        return [] if _quiet_import(payload.get("cls"), "model") else [str(payload.get("cls"))]
+    if payload.get("t") != "typed":
+        return []
+    missing: list[str] = []
+
+    def walk(tree: Any) -> None:
+        if isinstance(tree, list):
+            for item in tree:
+                walk(item)
+        elif isinstance(tree, dict):
+            tag = tree.get(TAG)
+            if tag in ("pydantic", "enum") and not _quiet_import(
+                tree.get("cls"), "model" if tag == "pydantic" else "enum"
+            ):
+                missing.append(str(tree.get("cls")))
+            for value in tree.values():
+                walk(value)
+
+    walk(payload.get("v"))
+    return missing
+
+
+def _quiet_import(path: Any, what: str) -> bool:
+    logger = logging.getLogger("crewai_idempotent")
+    previous = logger.disabled
+    logger.disabled = True
+    try:
+        return isinstance(path, str) and _importable(path, what) is not None
+    finally:
+        logger.disabled = previous
+
+
 def _importable(path: str, what: str) -> Any:
     """The pydantic model (`what="model"`) or Enum class at `path`, or None (logged)."""
     from pydantic import BaseModel

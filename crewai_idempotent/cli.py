@@ -645,15 +645,19 @@ def _kept_result(record: Record) -> Any:
                 "with --result JSON or --result-text TEXT"
             )
         )
-    value = record.value()
-    if record.result.get("t") == "pydantic" and isinstance(value, dict):
+    from ._results import unrestorable
+
+    missing = unrestorable(record.result)
+    if missing:
+        # Kept as it is, it would be stored again as plain data: the type would be lost.
         raise click.UsageError(
             safe(
-                f"the stored result is a {record.result.get('cls')} that cannot be imported "
-                "here; give it with --result JSON"
+                f"the stored result holds {', '.join(sorted(set(missing)))}, which cannot be "
+                "imported here; give the receipt with --result JSON, or run resolve where "
+                "that class is importable"
             )
         )
-    return value
+    return record.value()
 
 
 @main.command("purge")

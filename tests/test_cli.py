@@ -477,6 +477,17 @@ def test_resolve_keeps_a_pydantic_receipt_it_cannot_import(url: str, populated: 
     assert ok.exit_code == 0, ok.output
 
 
+def test_resolve_keeps_a_typed_receipt_it_cannot_import(url: str, populated: Ledger) -> None:
+    held = _fenced(populated, "order-typed")
+    tree = {"lines": [{"$t": "pydantic", "cls": "gone.module:Line", "v": {"sku": "a"}}]}
+    stored = replace(held, revision=held.revision + 1, result={"t": "typed", "v": tree})
+    assert populated.backend.replace(held, stored)
+    result = cli(url, "resolve", "order-typed", "--happened", "--reason", "x")
+    assert result.exit_code == 2 and "gone.module:Line" in result.stderr
+    record = populated.get("order-typed")
+    assert record is not None and record.status is Status.UNCERTAIN  # nothing changed
+
+
 def test_keys_and_notes_print_as_written(url: str, ledger: Ledger) -> None:
     key = "charge:[bold]x[/bold]:smile:"
     with pytest.raises(OutcomeUnknown):
