@@ -117,9 +117,13 @@ class PostgresCacheBackend(CacheBackend):
     keeps reusing one (psycopg_pool hands connections out in turn, and alternating
     between idle server processes costs latency on every call).
 
-    `timeout_s` bounds the wait for a pooled connection, `connect_timeout_s` a new
-    connection, and `statement_timeout_s` each statement on the server. Any of them
-    running out raises `LedgerUnavailable`, so a guarded body never runs unclaimed.
+    Every call ends within `timeout_s + statement_timeout_s` (plus a quarter second),
+    whatever the server does: `timeout_s` bounds getting a connection (from the pool, or
+    a new one, each attempt also within `connect_timeout_s`), and `statement_timeout_s`
+    the statements, on the server and, for a server that does not answer at all, on the
+    client, which then drops the connection. A resend after a lost connection runs in
+    what is left. Any of them running out raises `LedgerUnavailable`, so a guarded body
+    never runs unclaimed.
     """
 
     def __init__(

@@ -304,3 +304,47 @@ def test_a_child_with_an_inherited_pool_neither_hangs_nor_ends_the_parents_pool(
     finally:
         ledger.close()
     assert [e["key"] for e in provider.effects()] == ["warm-up", "in-child", "parent-after"]
+
+
+def test_a_redis_client_passed_in_is_reset_by_redis_py_in_the_child(
+    request: pytest.FixtureRequest, provider: Provider
+) -> None:
+    """A client we do not own cannot be replaced after fork(); redis-py resets its pool in
+    the child itself (it compares the pid on every checkout). Checked, not trusted: the
+    child works through the inherited ledger, drops and collects what it inherited, and
+    the parent's connection is the same one afterwards."""
+    import gc
+
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from crewai_idempotent._redis import RedisCacheBackend
+
+    server: Any = request.getfixturevalue("redis_server")
+    client = redis.Redis.from_url(server.url(), retry=Retry(NoBackoff(), 0))
+    ledger = Ledger(RedisCacheBackend(client, prefix=f"t{uuid.uuid4().hex[:12]}:"))
+    try:
+        ledger.run("parent-before", lambda: provider.charge("parent-before"))
+        before = client.client_id()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                for n in range(10):
+                    ledger.run(f"child-{n}", lambda n=n: provider.charge(f"child-{n}"))
+                mine = client.client_id()
+                client.connection_pool.disconnect()  # the child's own connections only
+                gc.collect()
+                code = 0 if mine != before else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert client.client_id() == before
+        ledger.run("parent-after", lambda: provider.charge("parent-after"))
+    finally:
+        ledger.close()
+        client.close()
+    keys = sorted(e["key"] for e in provider.effects())
+    assert keys == sorted(["parent-before", *(f"child-{n}" for n in range(10)), "parent-after"])
