@@ -9,6 +9,7 @@ and TCP_USER_TIMEOUT cannot end a wait like that; only the client can.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -125,13 +126,26 @@ def _committed(record: Record, backend: CacheBackend) -> Record:
     )  # fmt: skip
 
 
-def _timed(call: Callable[[], Any]) -> tuple[float, BaseException | None]:
+def _timed(call: Callable[[], Any], give_up_s: float = 60.0) -> tuple[float, BaseException | None]:
+    """How long `call` took and what it raised. It runs on a thread of its own, so that a
+    call that never ends fails the test after `give_up_s` instead of hanging the suite."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
     started = time.monotonic()
-    try:
-        call()
-    except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
-        return time.monotonic() - started, exc
-    return time.monotonic() - started, None
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(give_up_s)
+    elapsed = time.monotonic() - started
+    assert outcome, f"the call was still blocked after {elapsed:.0f} s"
+    return elapsed, outcome[0]
 
 
 OPERATIONS = ["claim", "commit", "read"]
