@@ -65,6 +65,7 @@ class FileLockCacheBackend(CacheBackend):
         weakref.finalize(self, os.close, pin)
         st = os.fstat(pin)
         self._identity = (st.st_dev, st.st_ino)
+        self._directory_text = str(self.directory)
         self._shards: set[Path] = set()  # shard folders made or checked by this object
         # Descriptors of the locks being taken or held right now, by any thread.
         self._lock_fds: set[int] = set()
@@ -102,7 +103,7 @@ class FileLockCacheBackend(CacheBackend):
         # One stat per operation: a ledger folder deleted or replaced under a running
         # process must not turn into an empty ledger in which committed keys run again.
         try:
-            st = os.stat(self.directory)
+            st = os.stat(self._directory_text)
         except FileNotFoundError:
             raise LedgerUnavailable(
                 f"the ledger folder {self.directory} was deleted while this process had it "
@@ -114,13 +115,14 @@ class FileLockCacheBackend(CacheBackend):
                 "open; refusing to use a different ledger than the one opened"
             )
 
-    def _check_file(self, fd: int, path: Path, what: str) -> None:
-        if self.allow_insecure_path:
-            return
+    def _check_file(self, fd: int, path: Path, what: str) -> os.stat_result:
         st = os.fstat(fd)
+        if self.allow_insecure_path:
+            return st
         if not stat.S_ISREG(st.st_mode):
             raise LedgerUnavailable(f"{what} {path} is not a regular file")
         check_trusted(st, path, what)
+        return st
 
     def _shard(self, path: Path) -> None:
         folder = path.parent
@@ -159,9 +161,11 @@ class FileLockCacheBackend(CacheBackend):
                 raise LedgerUnavailable(f"the record file {path} is a symlink") from exc
             raise LedgerUnavailable(self._explain(exc, path)) from exc
         try:
-            self._check_file(fd, path, "record file")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read()
+            size = self._check_file(fd, path, "record file").st_size
+            parts = []
+            while chunk := os.read(fd, size + 1):  # raw reads: no file object per record
+                parts.append(chunk)
+            data = b"".join(parts)
         except OSError as exc:
             raise LedgerUnavailable(self._explain(exc, path)) from exc
         finally:

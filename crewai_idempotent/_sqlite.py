@@ -62,21 +62,26 @@ _DELETE = "DELETE FROM idempotency_records WHERE key = ? AND token = ? AND revis
 class _Gate:
     """Operations run concurrently; fork() waits for the running ones and blocks new ones."""
 
-    __slots__ = ("_active", "_closed", "_cond")
+    __slots__ = ("_active", "_closed", "_cond", "_lock")
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._active = 0
         self._closed = False
 
     def enter(self) -> None:
+        with self._lock:  # the plain lock: this runs on every operation
+            if not self._closed:
+                self._active += 1
+                return
         with self._cond:
             while self._closed:
                 self._cond.wait()
             self._active += 1
 
     def leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
             if self._closed and not self._active:
                 self._cond.notify_all()
@@ -131,6 +136,7 @@ class SQLiteCacheBackend(CacheBackend):
         self.allow_insecure_path = allow_insecure_path
         self.path, st = private_file(Path(path), allow_insecure_path)
         self._identity = (st.st_dev, st.st_ino)
+        self._path_text = str(self.path)  # os.stat of a str skips __fspath__ on every call
         _pin_inode(self, self.path)
         # SQLite creates -wal and -shm itself; they must never be created through a new
         # file at `path`, so every connection opens the existing file (mode=rw).
@@ -318,7 +324,7 @@ class SQLiteCacheBackend(CacheBackend):
         # One stat per operation: a ledger deleted or replaced under a running process
         # must not become a fresh, empty ledger in which committed keys run again.
         try:
-            st = os.stat(self.path)
+            st = os.stat(self._path_text)
         except FileNotFoundError:
             raise LedgerUnavailable(
                 f"the ledger file {self.path} was deleted while this process had it open; "
