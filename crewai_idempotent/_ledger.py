@@ -479,8 +479,9 @@ class Ledger:
                 answer = yield from self._act(room, held, o, now)
                 if answer is not None:
                     return answer
-                found = yield _Call(self.backend.get, key)  # lost a race: look again
-                rooms.publish(key, found, read=True)
+                if rooms.news(room)[0] == seen:  # lost a race and learnt nothing: look
+                    found = yield _Call(self.backend.get, key)
+                    rooms.publish(key, found, read=True)
             except LedgerUnavailable as exc:
                 rooms.publish_error(key, exc)
                 raise

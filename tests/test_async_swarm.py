@@ -310,3 +310,50 @@ def test_an_owners_commit_does_not_queue_behind_claims(
     ledger.close()
     assert took < 5.0, f"the commit waited {took:.2f} s behind the stuck claims"
     assert len(provider.effects("other")) == 20
+
+
+def test_threads_and_tasks_wait_in_one_room(backend: CacheBackend, provider: Provider) -> None:
+    # Sync callers in threads and async callers on a loop, all waiting for an owner in
+    # "another process" (another ledger): one poller between them, one effect.
+    owner = Ledger(backend)
+    store = Counting(backend)
+    waiters = Ledger(store)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        inside.set()
+        assert release.wait(10)
+        return provider.charge("k")
+
+    owner_thread = threading.Thread(target=owner.run, args=("k", slow))
+    owner_thread.start()
+    assert inside.wait(10)
+    replays: list[Any] = []
+
+    def sync_waiter() -> None:
+        replays.append(waiters.execute("k", lambda: provider.charge("k")))
+
+    threads = [threading.Thread(target=sync_waiter) for _ in range(50)]
+    for thread in threads:
+        thread.start()
+
+    async def charge() -> str:
+        return provider.charge("k")
+
+    async def main() -> list[Any]:
+        crowd = asyncio.gather(*(waiters.aexecute("k", charge) for _ in range(100)))
+        await asyncio.sleep(0.5)
+        release.set()
+        return await crowd
+
+    replays += asyncio.run(main())
+    for thread in [owner_thread, *threads]:
+        thread.join(10)
+    owner.close()
+    waiters.close()
+
+    [receipt] = provider.receipts("k")
+    assert len(replays) == 150
+    assert all(o.replayed and o.value == receipt for o in replays)
+    assert store.calls["get"] <= 15, store.calls
+    assert len(waiters._rooms) == 0
