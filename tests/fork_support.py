@@ -40,7 +40,9 @@ SCENARIOS = ("concurrent", "parent_closes", "parent_exits", "pool", "owner_kille
 # -- the work: charge keys, count what happened ----------------------------------------------
 
 
-def charge_keys(ledger: Ledger, provider: Provider, keys: list[str], pause_s: float = 0.0):  # type: ignore[no-untyped-def]
+def charge_keys(
+    ledger: Ledger, provider: Provider, keys: list[str], pause_s: float = 0.0
+) -> dict[str, Any]:
     """Run the guarded charge of every key; report how many ran, replayed or failed."""
     tally: dict[str, Any] = {"ran": 0, "replayed": 0, "errors": []}
     for key in keys:
@@ -224,7 +226,7 @@ _POOL_PROVIDER: Provider | None = None
 def _pool_task(keys: list[str]) -> dict[str, Any]:
     assert _POOL_LEDGER is not None and _POOL_PROVIDER is not None
     # A little slower than the fresh processes, so that they finish (and close) first.
-    return charge_keys(_POOL_LEDGER, _POOL_PROVIDER, keys, pause_s=0.003)  # type: ignore[no-any-return]
+    return charge_keys(_POOL_LEDGER, _POOL_PROVIDER, keys, pause_s=0.003)
 
 
 def pool(args: argparse.Namespace) -> dict[str, Any]:
@@ -368,7 +370,7 @@ def _fresh(args: argparse.Namespace) -> dict[str, Any]:
     random.Random(args.seed).shuffle(keys)
     ledger = Ledger(backend_from_url(args.url), wait_s=120.0)
     try:
-        return charge_keys(ledger, Provider(args.provider), keys)  # type: ignore[no-any-return]
+        return charge_keys(ledger, Provider(args.provider), keys)
     finally:
         ledger.close()
 

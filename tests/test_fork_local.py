@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from crewai_idempotent import (
 from tests.conftest import backend_factory
 from tests.faults.provider import Provider
 from tests.fork_support import (
+    ROOT,
     charge_keys,
     duplicates,
     inspect_until,
@@ -73,7 +76,7 @@ def replay_all(url: str, provider: Provider, keys: list[str]) -> dict[str, Any]:
     """Charge `keys` again from a ledger opened afresh: every one must be a replay."""
     ledger = Ledger(backend_from_url(url))
     try:
-        return charge_keys(ledger, provider, keys)  # type: ignore[no-any-return]
+        return charge_keys(ledger, provider, keys)
     finally:
         ledger.close()
 
@@ -177,12 +180,7 @@ def test_owner_killed_after_forking_goes_stale(
     assert_sound(kind, tmp_path, provider)
 
 
-def _start_owner(url: str, tmp_path: Path, child: str, lease_s: float):  # type: ignore[no-untyped-def]
-    import subprocess
-    import sys
-
-    from tests.fork_support import ROOT
-
+def _start_owner(url: str, tmp_path: Path, child: str, lease_s: float) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "tests.fork_support", "owner_killed", "--url", url,
             "--dir", str(tmp_path), "--child", child, "--lease-s", str(lease_s)]  # fmt: skip
     return subprocess.Popen(
