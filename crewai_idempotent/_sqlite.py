@@ -419,10 +419,15 @@ class SQLiteCacheBackend(CacheBackend):
         # Let running operations finish before their connections go.
         quiet = self._gate.close(self.busy_timeout_s + 1.0)
         try:
-            self._drop_connections(close=quiet)
+            if quiet:
+                self._drop_connections(close=True)
+                _fork.unregister(self)
+            else:
+                # An operation still uses its connection: it stays tracked, so that a later
+                # fork() still knows the file is open here, and closes with the object.
+                self._local = threading.local()
         finally:
             self._gate.open()
-        _fork.unregister(self)
 
 
 def _insert(conn: sqlite3.Connection, params: tuple[Any, ...]) -> str | None:

@@ -274,3 +274,37 @@ def test_fork_waits_for_a_running_operation_then_both_sides_work(
     assert [e["key"] for e in provider.effects()] == ["before", "in-child"]
     ledger.close()
     assert_sound("sqlite", tmp_path, provider)
+
+
+def test_closed_while_an_operation_ran_still_counts_at_the_next_fork(
+    tmp_path: Path, provider: Provider
+) -> None:
+    """close() cannot close a connection an operation still uses; a fork after that must
+    still know the file is open in the parent."""
+    path = tmp_path / "ledger.db"
+    backend = SQLiteCacheBackend(path, busy_timeout_s=0.2)
+    Ledger(backend).run("before", lambda: provider.charge("before"))
+    stuck, release = threading.Event(), threading.Event()
+
+    def running_operation(conn: sqlite3.Connection) -> None:
+        stuck.set()
+        release.wait(30)
+
+    worker = threading.Thread(target=backend._guard, args=(running_operation,))
+    worker.start()
+    assert stuck.wait(10)
+    try:
+        backend.close()  # gives up waiting after busy timeout + 1 s
+        with pytest.raises(LedgerUnavailable, match="is closed"):
+            backend.get("before")
+
+        def in_the_child() -> Any:
+            Ledger(SQLiteCacheBackend(path)).run("in-child", lambda: provider.charge("x"))
+
+        reply = in_child(in_the_child)
+    finally:
+        release.set()
+        worker.join()
+    assert reply.get("error") == "LedgerUnavailable", reply
+    assert "after the fork" in reply["message"]
+    assert [e["key"] for e in provider.effects()] == ["before"]
