@@ -124,19 +124,7 @@ def test_fork_pool_and_fresh_processes_share_150_keys(
     assert duplicates(provider) == {}
 
 
-@pytest.mark.parametrize(
-    "child",
-    [
-        pytest.param(
-            "inherited",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="the lease keeper crosses fork() (issue 8 item 2, fixed in _ledger.py)",
-            ),
-        ),
-        "new",
-    ],
-)
+@pytest.mark.parametrize("child", ["inherited", "new"])
 def test_owner_killed_after_forking_goes_stale(
     url: str, tmp_path: Path, provider: Provider, child: str
 ) -> None:
