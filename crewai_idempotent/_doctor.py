@@ -171,19 +171,56 @@ def _redis_durability(backend: Any, out: _Report) -> None:
 def _crewai_facts(out: _Report) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
-    from .integration._patch import SUPPORTED, _version_tuple
+    from .integration._compat import ALLOW_UNTESTED_ENV, untested_allowed
+    from .integration._patch import is_supported, supported_range
 
-    low, high = (".".join(map(str, bound)) for bound in SUPPORTED)
     try:
         installed = version("crewai")
     except PackageNotFoundError:
-        out.fact("crewai", f"not installed (the integration supports >={low},<{high})")
+        out.fact("crewai", f"not installed (the integration supports {supported_range()})")
         return
-    parsed = _version_tuple(installed)
-    if parsed is not None and SUPPORTED[0] <= parsed < SUPPORTED[1]:
-        out.fact("crewai", f"{installed}: supported (>={low},<{high})")
+    if is_supported(installed):
+        out.fact("crewai", f"{installed}: supported ({supported_range()})")
+    elif untested_allowed():
+        out.fact(
+            "crewai",
+            f"{installed}: untested (the range is {supported_range()}); {ALLOW_UNTESTED_ENV} "
+            "is set, so the guard runs in full: `doctor --self-test` checks it",
+        )
     else:
-        out.problem("crewai", f"{installed}: outside the supported range >={low},<{high}")
+        out.problem(
+            "crewai",
+            f"{installed}: outside the tested range {supported_range()}; tools flagged "
+            "idempotent refuse to run. Run `crewai-idempotent doctor --self-test`, and if it "
+            f"passes set {ALLOW_UNTESTED_ENV}=1",
+        )
+
+
+def self_test_report() -> tuple[list[str], int]:
+    """`doctor --self-test`: the guard's checks run against the installed crewai."""
+    import subprocess
+    import time
+
+    from ._selftest import run_in_subprocess
+
+    started = time.monotonic()
+    try:
+        version, results, errors = run_in_subprocess()
+    except subprocess.TimeoutExpired:
+        return ["self-test: did not finish within 600 s"], 1
+    lines = [f"crewai {version}: {len(results)} checks (path x retry source [executor])"]
+    failed = 0
+    for result in results:
+        verdict = "pass" if result["passed"] else "FAIL"
+        failed += not result["passed"]
+        lines.append(f"  {verdict}  {result['check']}: {result['detail']}")
+    if not results:
+        failed += 1
+        lines.append(f"  FAIL  the self-test did not run: {errors or 'no output'}")
+    elapsed = time.monotonic() - started
+    summary = "passed" if not failed else f"{failed} failed"
+    lines.append(f"self-test {summary} in {elapsed:.1f} s")
+    return lines, failed
 
 
 def _activation_facts(out: _Report) -> None:

@@ -4,7 +4,7 @@
     crewai-idempotent show KEY
     crewai-idempotent resolve KEY --happened --result-text ch_123 --reason "in the dashboard"
     crewai-idempotent resolve KEY --absent --reason "no charge at the provider"
-    crewai-idempotent doctor
+    crewai-idempotent doctor [--self-test]
     crewai-idempotent export > ledger.jsonl
 
 The ledger is `--ledger URL`, else `CREWAI_IDEMPOTENCY_URL`, else the embedded default
@@ -684,13 +684,31 @@ def purge(where: _Where, everything: bool, yes: bool) -> None:
 
 
 @main.command("doctor")
+@click.option(
+    "--self-test",
+    "self_test",
+    is_flag=True,
+    help="Run the guard's own checks (every execution path, every retry source) against "
+    "the installed crewai, offline with a scripted model, and report pass/fail.",
+)
 @click.pass_obj
-def doctor(where: _Where) -> None:
+def doctor(where: _Where, self_test: bool) -> None:
     """Which ledger is in effect and why, its files and their modes, whether it answers
     and how durable it is, whether this crewai is supported and the integration active.
 
-    Exit status 1 when something needs fixing. Never creates a ledger.
+    Exit status 1 when something needs fixing (or a self-test check fails). Never creates
+    a ledger.
     """
+    if self_test:
+        from ._doctor import self_test_report
+
+        lines, problems = self_test_report()
+        for line in lines:
+            click.echo(safe(line))
+        if problems:
+            click.echo(f"{problems} self-test check(s) failed", err=True)
+            sys.exit(1)
+        return
     from ._doctor import report
 
     lines, problems = report(where)

@@ -221,6 +221,7 @@ class _Demo:
 @functools.cache
 def _model_class() -> type:
     from crewai.llms.base_llm import BaseLLM
+    from pydantic import BaseModel
 
     class ScriptedModel(BaseLLM):
         """Calls the charge tool, then answers. Attempt 1 answers without the amount (the
@@ -228,6 +229,12 @@ def _model_class() -> type:
 
         llm_type: str = "scripted-demo"
         demo: Any = None
+
+        if not issubclass(BaseLLM, BaseModel):
+            # crewai < 1.13: BaseLLM is a plain ABC, and `demo` above is not a field.
+            def __init__(self, *, demo: Any = None, **options: Any) -> None:
+                super().__init__(**options)
+                self.demo = demo
 
         def supports_function_calling(self) -> bool:
             return True
@@ -247,9 +254,16 @@ def _model_class() -> type:
                  available_functions: Any = None, from_task: Any = None,
                  from_agent: Any = None, response_model: Any = None) -> Any:  # fmt: skip
             demo = self.demo
+            # An attempt starts at the last system prompt: crewai < 1.14.4 keeps the
+            # earlier attempts' messages in the conversation of a retry.
+            starts = [
+                i
+                for i, m in enumerate(messages)
+                if isinstance(m, dict) and m.get("role") == "system"
+            ]
             results = [
                 m.get("content", "")
-                for m in messages
+                for m in messages[starts[-1] if starts else 0 :]
                 if isinstance(m, dict) and m.get("role") == "tool"
             ]
             if not results:

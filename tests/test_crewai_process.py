@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +198,8 @@ def test_uninstall_then_install_in_process(tmp_path: Path) -> None:
     assert charges.count() == 1
 
 
-@pytest.mark.parametrize("version", ["1.15.29", "1.16.0", "2.0.0", "nightly"])
-def test_unsupported_crewai_versions_are_refused(version: str) -> None:
+@pytest.mark.parametrize("version", ["1.9.9", "1.16.0", "2.0.0", "nightly"])
+def test_untested_crewai_versions_are_named(version: str) -> None:
     from crewai_idempotent.integration import UnsupportedCrewAIVersion
     from crewai_idempotent.integration._patch import check_version
 
@@ -206,31 +207,133 @@ def test_unsupported_crewai_versions_are_refused(version: str) -> None:
         check_version(version)
 
 
-@pytest.mark.parametrize("version", ["1.15.30", "1.15.31", "1.15.40rc1"])
+@pytest.mark.parametrize("version", ["1.10.0", "1.14.5", "1.15.30", "1.15.31", "1.15.40rc1"])
 def test_supported_crewai_versions(version: str) -> None:
     from crewai_idempotent.integration._patch import check_version
 
     check_version(version)
 
 
-def test_install_refuses_an_unsupported_crewai_and_changes_nothing(
-    monkeypatch: pytest.MonkeyPatch,
+def test_untested_crewai_fails_closed_for_flagged_tools_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import crewai
-    from crewai.tools.base_tool import BaseTool
+    from crewai.crew import Crew
+    from crewai.task import Task
 
     from crewai_idempotent.integration import UnsupportedCrewAIVersion
 
+    charges = FakeProvider(tmp_path / "charges.jsonl")
     uninstall()
     try:
+        monkeypatch.delenv("CREWAI_IDEMPOTENT_ALLOW_UNTESTED", raising=False)
         monkeypatch.setattr(crewai, "__version__", "1.16.0")
-        with pytest.raises(UnsupportedCrewAIVersion, match=r">=1\.15\.30,<1\.16"):
+        with pytest.warns(RuntimeWarning, match=r"crewai 1\.16\.0 is installed") as caught:
             install()
-        assert not is_installed() and "__init__" not in vars(BaseTool)
+        assert is_installed()
+        # Only the option-taking patches: no kickoff boundaries, no version shims.
+        assert not hasattr(Task._execute_core, "__wrapped__")
+        assert not hasattr(Crew.copy, "__wrapped__")
+        flagged = charge_tool(charges, idempotent=True)
+        with pytest.raises(UnsupportedCrewAIVersion, match="doctor --self-test"):
+            flagged.run(amount=1, recipient="bob")
+        assert charges.count() == 0  # the body never ran
+        plain = charge_tool(charges)
+        plain.run(amount=1, recipient="bob")
+        plain.run(amount=1, recipient="bob")
+        assert charges.count() == 2  # unflagged: crewai's own behaviour
+        uninstall()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the warning is said once per process
+            install()
+        assert len([w for w in caught if "1.16.0" in str(w.message)]) == 1
     finally:
+        uninstall()
         monkeypatch.undo()
         install()
-    assert is_installed()
+    assert is_installed() and hasattr(Task._execute_core, "__wrapped__")
+    charge = charge_tool(charges, idempotent=True)
+    configure(backend=f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        charge.run(amount=1, recipient="carol")
+        charge.run(amount=1, recipient="carol")
+    finally:
+        configure(None)
+    assert charges.count() == 3  # the full guard is back
+
+
+def test_allow_untested_installs_the_full_guard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import crewai
+    from crewai.task import Task
+
+    charges = FakeProvider(tmp_path / "charges.jsonl")
+    uninstall()
+    try:
+        monkeypatch.setenv("CREWAI_IDEMPOTENT_ALLOW_UNTESTED", "1")
+        monkeypatch.setattr(crewai, "__version__", "1.17.0")
+        with pytest.warns(RuntimeWarning, match="CREWAI_IDEMPOTENT_ALLOW_UNTESTED is set"):
+            install()
+        assert hasattr(Task._execute_core, "__wrapped__")
+        configure(backend=f"sqlite:///{tmp_path / 'ledger.db'}")
+        charge = charge_tool(charges, idempotent=True)
+        assert charge.run(amount=1, recipient="bob") == charge.run(amount=1, recipient="bob")
+        assert charges.count() == 1
+    finally:
+        configure(None)
+        uninstall()
+        monkeypatch.undo()
+        install()
+
+
+UNTESTED_IMPORT = r"""
+import json, warnings
+warnings.simplefilter("always")
+from crewai_idempotent.integration import _patch
+_patch.is_supported = lambda version: False  # stands for a crewai newer than the range
+with warnings.catch_warnings(record=True) as caught:
+    import crewai  # activates the integration through the import hook
+from crewai.tools import tool
+from crewai_idempotent.integration import UnsupportedCrewAIVersion
+calls = []
+
+@tool("charge_card", idempotent=True)
+def charge_card(amount: int) -> str:
+    "Charge."
+    calls.append(amount)
+    return "ch_1"
+
+@tool("lookup")
+def lookup(amount: int) -> str:
+    "Look up."
+    calls.append(-amount)
+    return "ok"
+
+try:
+    charge_card.run(amount=5)
+    refused = False
+except UnsupportedCrewAIVersion:
+    refused = True
+said = [str(w.message) for w in caught if "crewai-idempotent" in str(w.message)]
+print(json.dumps({"refused": refused, "plain": lookup.run(amount=1), "calls": calls,
+                  "warnings": said}))
+"""
+
+
+def test_import_crewai_never_breaks_on_an_untested_release() -> None:
+    done = subprocess.run(
+        [PYTHON, "-c", UNTESTED_IMPORT],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=SPEC_TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["refused"] and report["plain"] == "ok" and report["calls"] == [-1]
+    assert len(report["warnings"]) == 1 and "doctor --self-test" in report["warnings"][0]
 
 
 WHEEL_PROBE = r"""

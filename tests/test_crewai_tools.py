@@ -11,8 +11,6 @@ from typing import Any
 import pytest
 from crewai import Agent
 from crewai.flow.flow import Flow
-from crewai.flow.flow_definition import FlowToolActionDefinition
-from crewai.flow.runtime._actions import ToolAction
 from crewai.tools import BaseTool, tool
 from crewai.tools.base_tool import Tool
 
@@ -26,6 +24,13 @@ from tests.crewai_support.crews import (
     scripted,
 )
 from tests.crewai_support.provider import FakeProvider
+from tests.crewai_support.versions import (
+    AGENT_EXECUTOR,
+    HAS_FLOW_TOOL_ACTIONS,
+    HAS_STEP_EXECUTOR,
+    HAS_TOOL_FAILURE,
+    skip_unless,
+)
 
 pytest_plugins = ["tests.crewai_support.fixtures"]
 pytestmark = pytest.mark.usefixtures("isolated_crewai")
@@ -55,9 +60,12 @@ def test_basetool_subclass_flagged_by_keyword(native: bool, charges: FakeProvide
 
 
 def test_unflagged_tool_is_left_alone(native: bool, charges: FakeProvider) -> None:
-    # The control: the same crew without the flag charges on every retry.
+    # The control: the same crew without the flag charges on every retry. crewai's own
+    # result cache (on by default before 1.15.3) is off, or it would hide the second charge.
     charge = PlainChargeTool(provider_path=str(charges.path))
-    crew, _ = payment_crew([charge], scripted(native, [("charge_card", ALICE)]), reject=1)
+    crew, _ = payment_crew(
+        [charge], scripted(native, [("charge_card", ALICE)]), reject=1, cache=False
+    )
     crew.kickoff()
     assert charges.count() == 2
 
@@ -170,7 +178,11 @@ def test_lite_agent(charges: FakeProvider) -> None:
     assert charges.count() == 1
 
 
+@skip_unless(HAS_FLOW_TOOL_ACTIONS, "flow tool actions", "1.15.0")
 def test_flow_tool_action(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from crewai.flow.flow_definition import FlowToolActionDefinition
+    from crewai.flow.runtime._actions import ToolAction
+
     monkeypatch.setenv("FAKE_PROVIDER_PATH", str(tmp_path / "flow-charges.jsonl"))
     definition = FlowToolActionDefinition(
         call="tool",
@@ -306,6 +318,7 @@ def test_unflagging_restores_the_function(charges: FakeProvider) -> None:
     assert isinstance(charge, Tool)
 
 
+@skip_unless(HAS_STEP_EXECUTOR, "StepExecutor (plan-and-execute)", "1.11.0")
 def test_step_executor_in_planning_mode(charges: FakeProvider) -> None:
     """Plan-and-execute mode runs each step in crewai's StepExecutor (its own native
     tool-calling loop); a guardrail retry re-plans and re-runs the step."""
@@ -337,7 +350,8 @@ def test_step_executor_in_planning_mode(charges: FakeProvider) -> None:
 
     charge = charge_tool(charges, idempotent=True)
     llm = PlanningLLM(model="scripted-model", native=True, batches=[[("charge_card", ALICE)]])
-    crew, _ = payment_crew([charge], llm, reject=1)
+    # Only the flow-based AgentExecutor plans (the default executor from 1.14.5).
+    crew, _ = payment_crew([charge], llm, reject=1, executor_class=AGENT_EXECUTOR)
     crew.agents[0].planning_config = PlanningConfig(reasoning_effort="low")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(StepExecutor, "execute", counted)
@@ -359,7 +373,10 @@ def test_class_tool_receives_the_key_and_hides_it(charges: FakeProvider) -> None
 
     charge = StripeCharge()
     assert set(charge.args_schema.model_fields) == {"amount", "invoice"}
-    assert "idempotency_key" not in charge.to_structured_tool().formatted_description
+    structured = charge.to_structured_tool()
+    # The prompt text: computed from 1.15.3, baked into `description` before.
+    prompt = getattr(structured, "formatted_description", structured.description)
+    assert "idempotency_key" not in prompt
     charge.run(amount=5, invoice="inv-3")
     charge.run(amount=5, invoice="inv-3")
     assert [e["idempotency_key"] for e in charges.effects()] == ["stripe:inv-3"]
@@ -393,3 +410,85 @@ def test_class_default_survives_model_validate(charges: FakeProvider) -> None:
     restored.run(**ALICE)
     assert charges.count() == 1
     assert restored.cache_function is ledger_owns_cache
+
+
+# -- what differs between crewai releases ----------------------------------------------
+
+
+def test_long_tool_names_key_the_same_on_every_release(charges: FakeProvider) -> None:
+    import hashlib
+
+    from crewai.utilities.string_utils import sanitize_tool_name
+
+    from crewai_idempotent.integration._compat import tool_name
+
+    long_name = "Charge The Customer Card " * 4
+    slug = "_".join(["charge_the_customer_card"] * 4)
+    expected = slug[:55].rstrip("_") + "_" + hashlib.sha256(slug.encode()).hexdigest()[:8]
+    assert tool_name(long_name) == expected
+    if sanitize_tool_name(long_name).endswith(expected[-9:]):  # 1.10.1+; 1.10.0 only cuts
+        assert sanitize_tool_name(long_name) == expected
+    charge = charge_tool(charges, name=long_name, idempotent=True)
+    configure_memory()
+    charge.run(amount=1, recipient="bob")
+    (record,) = _ledger_records()
+    assert record.key.startswith(expected + ":")
+
+
+@skip_unless(HAS_TOOL_FAILURE, "ToolFailure results", "1.15.9")
+def test_a_returned_tool_failure_is_not_a_receipt(charges: FakeProvider) -> None:
+    from crewai.tools.tool_failure import ToolFailure, ToolFailureReason
+
+    from crewai_idempotent import Status
+
+    answers = [ToolFailure(message="server said no", reason=ToolFailureReason.MCP_ERROR), "ok"]
+
+    @tool("charge_card", idempotent=True)
+    def charge_card(amount: int) -> Any:
+        """Charge."""
+        charges.charge(amount, "bob")
+        return answers.pop(0)
+
+    configure_memory()
+    failed = charge_card.run(amount=1)
+    assert isinstance(failed, ToolFailure)  # crewai's tool-failure policy still sees it
+    assert _ledger_records()[0].status is Status.FAILED
+    assert charge_card.run(amount=1) == "ok"  # ran again: a failure is never replayed
+    assert charges.count() == 2
+    assert charge_card.run(amount=1) == "ok" and charges.count() == 2
+
+
+@skip_unless(HAS_TOOL_FAILURE, "ToolFailure results", "1.15.9")
+def test_a_returned_timeout_failure_is_uncertain(charges: FakeProvider) -> None:
+    from crewai.tools.tool_failure import ToolFailure
+
+    from crewai_idempotent import OutcomeUncertain, Status
+
+    @tool("charge_card", idempotent=True)
+    def charge_card(amount: int) -> Any:
+        """Charge."""
+        charges.charge(amount, "bob")
+        return ToolFailure(message="no answer in 30 s", code="request_timeout")
+
+    configure_memory()
+    with pytest.raises(OutcomeUncertain):
+        charge_card.run(amount=1)
+    assert _ledger_records()[0].status is Status.UNCERTAIN
+    with pytest.raises(OutcomeUncertain):
+        charge_card.run(amount=1)  # not run again: the charge may have gone through
+    assert charges.count() == 1
+
+
+_memory_ledger: list[Any] = []
+
+
+def configure_memory() -> None:
+    from crewai_idempotent import InMemoryCacheBackend, configure
+
+    backend = InMemoryCacheBackend()
+    _memory_ledger[:] = [backend]
+    configure(backend=backend)
+
+
+def _ledger_records() -> list[Any]:
+    return list(_memory_ledger[0].scan())

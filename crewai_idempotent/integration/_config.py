@@ -204,7 +204,7 @@ def configure(
 
 def default_ledger_path() -> Path:
     """The embedded default: `crewai_idempotent.db` in crewai's storage folder."""
-    from crewai_core.paths import db_storage_path
+    from ._compat import db_storage_path
 
     return Path(db_storage_path()) / DEFAULT_LEDGER_NAME
 

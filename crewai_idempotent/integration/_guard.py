@@ -20,10 +20,19 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .._errors import BodyFailed, IdempotencyKeyConflict, OperationInProgress, OutcomeUncertain
+from .. import _otel
+from .._errors import (
+    BodyFailed,
+    IdempotencyKeyConflict,
+    LedgerUnavailable,
+    OperationInProgress,
+    OutcomeUncertain,
+    OutcomeUnknown,
+)
 from .._keys import validate_key
 from .._ledger import Outcome, current_claim
 from .._record import Record, Status
+from . import _compat
 from ._config import IdempotencyConfig, Settings, ToolOptions, resolve
 from ._keying import KEY_PARAMETER, KeyContext, derive_key
 
@@ -220,11 +229,9 @@ def _crew_of(scope: Scope | None) -> Any:
 def _prepare(
     target: Target, options: ToolOptions, tool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> _Call | None:
-    from crewai.execution import get_execution_uuid
     from crewai.utilities.crew.crew_context import get_crew_context
-    from crewai.utilities.string_utils import sanitize_tool_name
 
-    name = target.tool_name or sanitize_tool_name(tool.name)
+    name = target.tool_name or _compat.tool_name(tool.name)
     try:
         arguments = target.arguments(args, kwargs)
     except TypeError as exc:
@@ -250,7 +257,7 @@ def _prepare(
             tool=name,
             crew=crew.key if crew is not None else (context.key if context is not None else None),
             task=_task_key(scope.task if scope is not None else None),
-            kickoff=get_execution_uuid(),
+            kickoff=_compat.execution_uuid(),
             fingerprint=digest,
         )
         key = derive_key(settings.idempotency_key, arguments, ctx)
@@ -268,7 +275,6 @@ def _emit(
     event_type: type[IdempotencyEvent], call: _Call, record: Record | None, **fields: Any
 ) -> None:
     from crewai.events.event_bus import crewai_event_bus
-    from crewai.execution import get_execution_uuid
 
     try:
         scope = call.scope
@@ -283,7 +289,7 @@ def _emit(
             fingerprint=call.fingerprint,
             owner=record.owner.label if record is not None and record.owner else None,
             backend=repr(call.settings.ledger.backend),
-            kickoff_id=get_execution_uuid(),
+            kickoff_id=_compat.execution_uuid(),
             task_id=str(task.id) if task is not None else None,
             task_name=(task.name or task.description) if task is not None else None,
             agent_id=str(getattr(agent, "id", None)) if getattr(agent, "id", None) else None,
@@ -349,6 +355,47 @@ def _failed(call: _Call, exc: Exception) -> BaseException:
     return exc
 
 
+class ToolReportedFailure(Exception):
+    """A body returned crewai's `ToolFailure` (MCP `isError`, crewai >= 1.15.9): recorded
+    as FAILED, so the next call runs again instead of replaying the failure for ever; the
+    caller still gets the ToolFailure back, as crewai expects."""
+
+    def __init__(self, failure: Any) -> None:
+        super().__init__(getattr(failure, "message", str(failure)))
+        self.failure = failure
+
+
+def _checked(result: Any) -> Any:
+    """`result` unless it is a returned ToolFailure, which is raised to the ledger: a
+    failure saying the call timed out as an unknown outcome (UNCERTAIN), others FAILED."""
+    failure = _compat.tool_failure(result)
+    if failure is None:
+        return result
+    if _compat.failure_is_timeout(failure):
+        raise OutcomeUnknown(f"the tool returned a ToolFailure reporting a timeout: {failure}")
+    raise ToolReportedFailure(failure)
+
+
+def _returned_failure(exc: Exception) -> Any:
+    if (
+        isinstance(exc, BodyFailed)
+        and exc.status != Status.UNCERTAIN
+        and isinstance(exc.__cause__, ToolReportedFailure)
+    ):
+        return exc.__cause__.failure
+    return None
+
+
+def _observed_error(observation: _otel._Nothing, exc: Exception) -> None:
+    if isinstance(exc, LedgerUnavailable):
+        observation.ledger_error(exc)
+        return
+    outcome = _otel.outcome_of(exc)
+    if isinstance(exc, BodyFailed) and exc.status == Status.UNCERTAIN:
+        outcome = "uncertain"
+    observation.finish(outcome, getattr(exc, "record", None), exc)
+
+
 def _raise(call: _Call, exc: Exception) -> NoReturn:
     raised = _failed(call, exc)
     if raised is exc:
@@ -371,19 +418,23 @@ def call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
+    _compat.refuse_if_untested()
     kwargs = dict(kwargs)
     prepared = _prepare(target, options, tool, args, kwargs)
     if prepared is None:
         return fn(*args, **kwargs)
     ledger = prepared.settings.ledger
+    observation = _otel.observe(prepared.tool_name, prepared.key, ledger.backend)
 
     def body() -> Any:
         _claimed(prepared)
+        observation.claimed()
         token = _running.set(_running.get() | {prepared.key})
         try:
-            return fn(*args, **kwargs)
+            return _checked(fn(*args, **kwargs))
         finally:
             _running.reset(token)
+            observation.returned()
 
     try:
         outcome = ledger.execute(
@@ -399,7 +450,12 @@ def call(
     else:
         if outcome.replayed:
             _replayed(prepared, outcome)
+        observation.finish("replay" if outcome.replayed else "claim", outcome.record)
         return outcome.value
+    _observed_error(observation, error)
+    returned = _returned_failure(error)
+    if returned is not None:
+        return returned
     _raise(prepared, error)  # outside the except block: no implicit chaining
 
 
@@ -411,19 +467,23 @@ async def acall(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
+    _compat.refuse_if_untested()
     kwargs = dict(kwargs)
     prepared = _prepare(target, options, tool, args, kwargs)
     if prepared is None:
         return await fn(*args, **kwargs)
     ledger = prepared.settings.ledger
+    observation = _otel.observe(prepared.tool_name, prepared.key, ledger.backend)
 
     async def body() -> Any:
         _claimed(prepared)
+        observation.claimed()
         token = _running.set(_running.get() | {prepared.key})
         try:
-            return await fn(*args, **kwargs)
+            return _checked(await fn(*args, **kwargs))
         finally:
             _running.reset(token)
+            observation.returned()
 
     try:
         outcome = await ledger.aexecute(
@@ -439,5 +499,10 @@ async def acall(
     else:
         if outcome.replayed:
             _replayed(prepared, outcome)
+        observation.finish("replay" if outcome.replayed else "claim", outcome.record)
         return outcome.value
+    _observed_error(observation, error)
+    returned = _returned_failure(error)
+    if returned is not None:
+        return returned
     _raise(prepared, error)

@@ -10,25 +10,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import re
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+from . import _compat
+from ._compat import UnsupportedCrewAIVersion
 from ._config import OPTION_NAMES, check_crew_ledger, merge_crew_settings
 
-SUPPORTED = ((1, 15, 30), (1, 16, 0))  # crewai >= 1.15.30, < 1.16: the range the tests cover
+# The releases the matrix in noxfile.py runs (docs/compatibility.md): crewai >=1.10.0, <1.16.
+SUPPORTED = ((1, 10, 0), (1, 16, 0))
 _ABSENT: Any = object()
 
-
-class UnsupportedCrewAIVersion(RuntimeError):
-    """The installed crewai is outside the range this integration was written and tested for."""
-
+log = logging.getLogger("crewai_idempotent")
 
 _lock = threading.RLock()
 _patches: list[tuple[Any, str, Any]] = []  # (owner, attribute, previous value or _ABSENT)
 _installed = False
+_warned: set[str] = set()
 
 
 def _version_tuple(version: str) -> tuple[int, ...] | None:
@@ -36,16 +38,21 @@ def _version_tuple(version: str) -> tuple[int, ...] | None:
     return tuple(int(part) for part in match.groups()) if match else None
 
 
-def check_version(version: str) -> None:
+def supported_range() -> str:
+    low, high = (".".join(map(str, bound)) for bound in SUPPORTED)
+    return f">={low},<{high}"
+
+
+def is_supported(version: str) -> bool:
     parsed = _version_tuple(version)
     low, high = SUPPORTED
-    if parsed is None or not (low <= parsed < high):
-        raise UnsupportedCrewAIVersion(
-            f"crewai-idempotent supports crewai >=1.15.30,<1.16; crewai {version} is installed. "
-            "The guard relies on crewai internals that this version may not have, so it refuses "
-            "to run rather than guard tools partially. Install a supported crewai, or set "
-            "CREWAI_IDEMPOTENT_AUTOLOAD=0 and do not call crewai_idempotent.install()."
-        )
+    return parsed is not None and low <= parsed < high
+
+
+def check_version(version: str) -> None:
+    """Raise UnsupportedCrewAIVersion unless `version` is in the tested range."""
+    if not is_supported(version):
+        raise UnsupportedCrewAIVersion(_compat.untested_message(version, supported_range()))
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
@@ -58,7 +65,13 @@ def is_installed() -> bool:
 
 
 def install() -> None:
-    """Patch crewai so that tools flagged idempotent are guarded. Safe to call twice."""
+    """Patch crewai so that tools flagged idempotent are guarded. Safe to call twice.
+
+    On a crewai outside the tested range it never raises (it runs inside `import crewai`):
+    it warns once and installs only what makes flagged tools refuse to run, unless
+    CREWAI_IDEMPOTENT_ALLOW_UNTESTED is set (then the full guard, after the user ran
+    `crewai-idempotent doctor --self-test`).
+    """
     global _installed
     with _lock:
         if _installed:
@@ -75,22 +88,67 @@ def install() -> None:
                 stacklevel=2,
             )
             return
-        check_version(crewai.__version__)
-        try:
-            _install()
-        except BaseException:
-            _undo()
-            raise
+        version = str(getattr(crewai, "__version__", "unknown"))
+        if is_supported(version):
+            _compat.set_refusal(None)
+            try:
+                _install()
+            except BaseException:
+                _undo()
+                raise
+        else:
+            _install_untested(version)
         _installed = True
     from .._autoload import remove_import_hook
 
     remove_import_hook()  # crewai is loaded: a hook waiting for it has nothing left to do
 
 
-def _natively_guarded() -> bool:
-    from crewai.tools.base_tool import BaseTool
+def _warn_once(key: str, message: str) -> None:
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    fields = BaseTool.__pydantic_fields__
+
+def _install_untested(version: str) -> None:
+    if _compat.untested_allowed():
+        _warn_once(
+            f"allowed:{version}",
+            f"crewai {version} is outside the range crewai-idempotent is tested with "
+            f"({supported_range()}); {_compat.ALLOW_UNTESTED_ENV} is set, so the guard runs "
+            "in full. `crewai-idempotent doctor --self-test` checks it against this crewai.",
+        )
+        _compat.set_refusal(None)
+        try:
+            _install()
+            return
+        except Exception as exc:  # noqa: BLE001 - never break `import crewai`
+            _undo()
+            log.warning("crewai-idempotent could not install on crewai %s: %r", version, exc)
+    _warn_once(version, _compat.untested_message(version, supported_range()))
+    _compat.set_refusal(_compat.untested_message(version, supported_range()))
+    _install_fail_closed()
+
+
+def _install_fail_closed() -> None:
+    """Only what takes the idempotency options and makes flagged tools refuse at call
+    time; each piece on its own, so that one crewai has moved leaves the others working.
+    Unflagged tools and crews run through crewai as if nothing were installed."""
+    for step in (_patch_tool_options, _patch_tool_classes, _patch_crew_options):
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - an untested crewai: never break its import
+            log.warning("crewai-idempotent: %s skipped on this crewai: %r", step.__name__, exc)
+
+
+def _natively_guarded() -> bool:
+    try:
+        from crewai.tools.base_tool import BaseTool
+
+        fields = BaseTool.__pydantic_fields__
+    except Exception:  # noqa: BLE001 - an untested crewai without them: not native either
+        return False
     return "idempotent" in fields and not _installed
 
 
@@ -114,15 +172,41 @@ def _undo() -> None:
 
 
 def _install() -> None:
-    import crewai.tools as tools_module
-    import crewai.tools.base_tool as base_tool_module
     from crewai.agent.core import Agent
-    from crewai.crew import Crew
     from crewai.lite_agent import LiteAgent
     from crewai.task import Task
+
+    from . import _guard
+
+    _patch_tool_options()
+    _patch_tool_classes()
+    _patch_crew_options()
+    _patch_crew_copy()
+
+    # Where an uncertain outcome stops a kickoff, and what a tool call runs inside.
+    def task_scope(task: Any, agent: Any = None, *_: Any, **kw: Any) -> _guard.Scope:
+        agent = agent or kw.get("agent") or task.agent
+        return _guard.Scope(task=task, agent=agent, crew=getattr(agent, "crew", None))
+
+    def agent_scope(agent: Any, *_: Any, **__: Any) -> _guard.Scope:
+        return _guard.Scope(agent=agent, crew=getattr(agent, "crew", None))
+
+    _set(Task, "_execute_core", _boundary(Task._execute_core, task_scope))
+    _set(Task, "_aexecute_core", _aboundary(Task._aexecute_core, task_scope))
+    _set(Agent, "kickoff", _boundary(Agent.kickoff, agent_scope))
+    _set(Agent, "kickoff_async", _aboundary(Agent.kickoff_async, agent_scope))
+    _set(LiteAgent, "kickoff", _boundary(LiteAgent.kickoff, agent_scope))
+
+    # What differs between the supported releases (kickoff ids, context in threads...).
+    _compat.install(_set)
+
+
+def _patch_tool_options() -> None:
+    import crewai.tools as tools_module
+    import crewai.tools.base_tool as base_tool_module
     from crewai.tools.base_tool import BaseTool
 
-    from . import _guard, _tools
+    from . import _tools
 
     # @tool(..., idempotent=True, idempotency_key=...)
     original_tool = base_tool_module.tool
@@ -134,7 +218,13 @@ def _install() -> None:
     # MyTool(idempotent=True, ...) and class defaults `idempotent: bool = True`
     _set(BaseTool, "__init__", _tool_init(BaseTool.__init__))
 
-    # class tools: guard _run/_arun of every subclass, now and when defined later
+
+def _patch_tool_classes() -> None:
+    """Guard `_run`/`_arun` of every class tool, now and when defined later."""
+    from crewai.tools.base_tool import BaseTool
+
+    from . import _tools
+
     def guard_class(cls: type) -> None:
         if not _tools.wants_method_guards(cls):
             return
@@ -151,31 +241,20 @@ def _install() -> None:
             walk(sub)
 
     walk(BaseTool)
-    original_init_subclass = BaseTool.__dict__["__init_subclass__"]
+    _set(BaseTool, "__init_subclass__", _compat.init_subclass_of(BaseTool, guard_class))
 
-    def init_subclass(cls: type, **kwargs: Any) -> None:
-        original_init_subclass.__get__(None, cls)(**kwargs)
-        guard_class(cls)
 
-    _set(BaseTool, "__init_subclass__", classmethod(init_subclass))
+def _patch_crew_options() -> None:
+    from crewai.crew import Crew
 
     # Crew(idempotency=IdempotencyConfig(...)) and Crew(cache_backend=...)
     _set(Crew, "__init__", _crew_init(Crew.__init__))
+
+
+def _patch_crew_copy() -> None:
+    from crewai.crew import Crew
+
     _set(Crew, "copy", _crew_copy(Crew.copy))
-
-    # Where an uncertain outcome stops a kickoff, and what a tool call runs inside.
-    def task_scope(task: Any, agent: Any = None, *_: Any, **kw: Any) -> _guard.Scope:
-        agent = agent or kw.get("agent") or task.agent
-        return _guard.Scope(task=task, agent=agent, crew=getattr(agent, "crew", None))
-
-    def agent_scope(agent: Any, *_: Any, **__: Any) -> _guard.Scope:
-        return _guard.Scope(agent=agent, crew=getattr(agent, "crew", None))
-
-    _set(Task, "_execute_core", _boundary(Task._execute_core, task_scope))
-    _set(Task, "_aexecute_core", _aboundary(Task._aexecute_core, task_scope))
-    _set(Agent, "kickoff", _boundary(Agent.kickoff, agent_scope))
-    _set(Agent, "kickoff_async", _aboundary(Agent.kickoff_async, agent_scope))
-    _set(LiteAgent, "kickoff", _boundary(LiteAgent.kickoff, agent_scope))
 
 
 def _tool_init(original: Callable[..., None]) -> Callable[..., None]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, create_model
 
-from . import _guard
+from . import _compat, _guard
 from ._config import OPTION_NAMES, ToolOptions
 from ._keying import KEY_PARAMETER, check_template
 
@@ -164,10 +164,9 @@ def _schema_without_key(schema: type[BaseModel]) -> type[BaseModel]:
 
 def flag(tool: BaseTool, options: ToolOptions) -> None:
     """Make `tool` (in place) idempotent with `options`, or plain again with idempotent=False."""
-    from crewai.tools.base_tool import Tool, _default_cache_function
-    from crewai.utilities.string_utils import sanitize_tool_name
+    from crewai.tools.base_tool import Tool
 
-    name = sanitize_tool_name(tool.name)
+    name = _compat.tool_name(tool.name)
     if options.idempotent and isinstance(options.idempotency_key, str):
         check_template(options.idempotency_key, name, _argument_names(tool))
     _guard.stash(tool, options)
@@ -182,7 +181,8 @@ def flag(tool: BaseTool, options: ToolOptions) -> None:
     if KEY_PARAMETER in getattr(schema, "model_fields", {}):
         # The model must never choose the key; the guard passes the derived one in.
         tool.args_schema = _schema_without_key(schema)
-    if tool.cache_function not in (_default_cache_function, ledger_owns_cache):
+        _compat.refresh_description(tool)
+    if tool.cache_function not in (_compat.default_cache_function(), ledger_owns_cache):
         warnings.warn(
             f"tool {name!r} is idempotent: its cache_function is replaced, because crewai's "
             "result cache is bypassed for idempotent tools and the ledger replays them",

@@ -57,9 +57,18 @@ def payment_crew(
     reject: int = 0,
     max_retry_limit: int = 2,
     description: str = "Charge 5 to alice for invoice inv-1.",
+    executor_class: type | None = None,
     **crew_options: Any,
 ) -> tuple[Crew, Task]:
-    """One cashier agent, one task. The task's guardrail rejects the first `reject` outputs."""
+    """One cashier agent, one task. The task's guardrail rejects the first `reject` outputs.
+
+    `cache` goes to the agent too: before crewai 1.15.3 the agent caches tool results
+    whatever the crew says. `executor_class` picks crewai's agent executor."""
+    agent_options: dict[str, Any] = {}
+    if "cache" in crew_options:
+        agent_options["cache"] = crew_options["cache"]
+    if executor_class is not None:
+        agent_options["executor_class"] = executor_class
     agent = Agent(
         role="Cashier",
         goal="Charge each invoice exactly once",
@@ -69,6 +78,7 @@ def payment_crew(
         max_retry_limit=max_retry_limit,
         allow_delegation=False,
         verbose=False,
+        **agent_options,
     )
     seen = {"outputs": 0}
 

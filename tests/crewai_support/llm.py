@@ -1,7 +1,8 @@
 """A scripted stand-in for a model: it asks for tool calls, then gives a final answer.
 
 It works out where it is from the conversation crewai hands it, the way a real model
-would: an attempt (a fresh `execute_task`) starts with no tool results in the messages;
+would: an attempt (a fresh `execute_task`) starts with no tool results after the last
+system prompt;
 within an attempt, the number of tool results seen says which batch of calls comes next.
 """
 
@@ -12,7 +13,7 @@ import threading
 from typing import Any
 
 from crewai.llms.base_llm import BaseLLM
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 Call = tuple[str, dict[str, Any]]
 
@@ -50,6 +51,25 @@ class ScriptedLLM(BaseLLM):
         super().model_post_init(context)
         self._lock = threading.Lock()
 
+    if not issubclass(BaseLLM, BaseModel):
+        # crewai < 1.13: BaseLLM is a plain ABC, and the annotations above are not fields.
+        def __init__(self, model: str, **options: Any) -> None:
+            defaults: dict[str, Any] = {
+                "native": False, "batches": [], "retry_batches": None, "fail_times": 0,
+                "final_answer": None, "calls": 0, "attempts": 0, "failures": 0,
+                "tool_schemas": [], "prompts": [],
+            }  # fmt: skip
+            own = {k: options.pop(k) for k in list(options) if k in defaults}
+            super().__init__(model=model, **options)
+            for name, default in defaults.items():
+                value = own.get(name, default)
+                setattr(self, name, list(value) if isinstance(value, list) else value)
+            self._lock = threading.Lock()
+
+    async def acall(self, *args: Any, **kwargs: Any) -> Any:
+        # crewai's BaseLLM.acall raises NotImplementedError in every release.
+        return self.call(*args, **kwargs)
+
     def supports_function_calling(self) -> bool:
         return self.native
 
@@ -80,7 +100,12 @@ class ScriptedLLM(BaseLLM):
             if tools:
                 self.tool_schemas.append(tools)
             self.prompts.extend(_text(m) for m in msgs if isinstance(m, dict))
-            results = self._tool_results(msgs)
+            # An attempt starts at the last system prompt: crewai < 1.14.4 keeps the
+            # earlier attempts' messages in the conversation of a retry.
+            starts = [
+                i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "system"
+            ]
+            results = self._tool_results(msgs[starts[-1] :] if starts else msgs)
             if self.native and not tools:  # asked for prose (a summary), not for tool calls
                 return "; ".join(results) if results else "nothing to do"
             if not results:
