@@ -149,7 +149,7 @@ def _instruments() -> _Instruments | None:
     explicit = _state.explicit
     if explicit is not None:
         return explicit
-    if "opentelemetry" not in sys.modules or _switched_off():
+    if sys.modules.get("opentelemetry") is None or _switched_off():
         return None  # nothing configured the SDK in this process
     from opentelemetry import metrics, trace
 
