@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Prove patches/crewai-1.15.30-idempotent-tools.patch against crewai 1.15.30:
+# Prove patches/crewai-<version>-idempotent-tools.patch against the installed crewai
+# (<version> is its version; today's patch is for 1.15.30):
 #   1. lay the installed crewai package out as crewAI's repository does
 #      (lib/crewai/src/crewai, plus an empty lib/crewai/tests/tools),
 #   2. `git apply --check`, then `git apply` the patch there,
 #   3. run the patch's tests against the patched source, offline, with the
-#      crewai-idempotent plugin switched off and checked to be absent.
+#      crewai-idempotent plugin switched off and checked to be absent,
+#   4. run this repository's ledger conformance suite (tests/test_ledger_conformance.py)
+#      on the patched core's SQLite store (patches/conformance_core.py), so the patch and
+#      the package cannot drift apart.
 # Exits non-zero on any failure. Usage: patches/verify.sh [scratch-dir]
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(dirname "$here")"
 python="${PYTHON:-$repo/.venv/bin/python}"
-patch="$here/crewai-1.15.30-idempotent-tools.patch"
 scratch="${1:-$(mktemp -d /tmp/upstream-verify.XXXXXX)}"
 
 # The plugin's .pth hook must not activate, and nothing below may import it.
@@ -27,8 +30,10 @@ spec = importlib.util.find_spec("crewai")
 print(pathlib.Path(spec.origin).parent)
 ')"
 version="$(cd / && "$python" -c 'import importlib.metadata as m; print(m.version("crewai"))')"
-if [[ "$version" != "1.15.30" ]]; then
-    echo "verify.sh: the patch is for crewai 1.15.30; $version is installed" >&2
+patch="$here/crewai-$version-idempotent-tools.patch"
+if [[ ! -f "$patch" ]]; then
+    echo "verify.sh: crewai $version is installed and patches/ has no patch for it" \
+        "(see patches/README.md, 'Another crewAI release')" >&2
     exit 1
 fi
 
@@ -74,6 +79,21 @@ PYTHONPATH="$scratch/lib/crewai/src:$scratch" "$python" -m pytest \
     tests/tools/test_idempotent_tools.py || status=$?
 if [[ $status -ne 0 ]]; then
     echo "verify.sh: FAILED (pytest exit $status)" >&2
+    exit "$status"
+fi
+
+echo "== ledger conformance suite on the patched core's store"
+cd "$repo"
+# The plugin's Ledger drives crewAI core's SQLiteIdempotencyBackend through every
+# transition; records cross between them as their shared JSON document.
+status=0
+CONFORMANCE_BACKENDS=crewai-core PYTHONPATH="$scratch/lib/crewai/src:$repo" "$python" -m pytest \
+    -p patches.conformance_core -p no:cacheprovider -q \
+    -W ignore::DeprecationWarning -W ignore::RuntimeWarning \
+    tests/test_ledger_conformance.py || status=$?
+if [[ $status -ne 0 ]]; then
+    # 5 ("no tests collected") would mean the core's store was never exercised.
+    echo "verify.sh: FAILED (conformance suite exit $status)" >&2
     exit "$status"
 fi
 echo "verify.sh: OK"
