@@ -210,3 +210,33 @@ def _uncertain_record(backend: Any) -> None:
             error="worker died after the charge request was sent",
         )
     )
+
+
+def test_uncertain_stops_a_kickoff_with_max_execution_time(
+    native: bool, charges: FakeProvider
+) -> None:
+    # max_execution_time runs the agent in a worker thread (without the caller's context
+    # up to crewai 1.10.1): the crew's ledger is used and the kickoff still stops.
+    backend = InMemoryCacheBackend()
+    charge = _timing_out_charge(charges, OutcomeUnknown("no answer"))
+    crew, _ = payment_crew(
+        [charge], scripted(native, [("charge_card", ALICE)]), cache_backend=backend
+    )
+    crew.agents[0].max_execution_time = 120
+    with pytest.raises(OutcomeUncertain):
+        crew.kickoff()
+    assert charges.count() == 1
+    assert backend.get("pay:alice").status is Status.UNCERTAIN  # type: ignore[union-attr]
+
+
+def test_many_halted_kickoffs_in_one_thread(charges: FakeProvider) -> None:
+    # crewai refuses an event scope stack deeper than 100: each halt must close its scopes.
+    backend = InMemoryCacheBackend()
+    charge = _timing_out_charge(charges, OutcomeUnknown("no answer"))
+    for _ in range(105):
+        crew, _ = payment_crew(
+            [charge], scripted(True, [("charge_card", ALICE)]), cache_backend=backend
+        )
+        with pytest.raises(OutcomeUncertain):
+            crew.kickoff()
+    assert charges.count() == 1
