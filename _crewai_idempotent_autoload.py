@@ -123,8 +123,9 @@ class CrewAIImportHook:
 
         def exec_module(module: object) -> None:
             run_module(module)
-            # crewai has executed in full: install() may import any part of it now. If it
-            # refuses (an unsupported crewai version), `import crewai` fails with its error.
+            # crewai has executed in full: install() may import any part of it now. On a
+            # crewai outside the tested range it never raises (flagged tools refuse at call
+            # time instead); inside it, a failure raises here rather than guard nothing.
             remove_import_hook()
             if explain_only:
                 _explain_inactive()
