@@ -9,7 +9,8 @@ off, a guarded call pays one dictionary lookup: opentelemetry is not even import
 Spans are named `idempotency.<outcome>` (claim, replay, conflict, uncertain, approval)
 and are children of whatever span is current where the tool runs (crewai's tool span
 when a tracing integration opened one). The raw key is never an attribute unless
-`instrument(record_keys=True)` or `CREWAI_IDEMPOTENT_OTEL_KEYS=1`: keys often hold
+`instrument(record_keys=True)` or `CREWAI_IDEMPOTENT_OTEL_KEYS=1` (the environment is
+read when a global provider is first seen): keys often hold
 customer or invoice ids; `idempotency.key_hash` (SHA-256, 16 hex digits) correlates
 calls without them.
 """
@@ -113,6 +114,7 @@ class _State:
         self.explicit: _Instruments | None = None
         self.global_key: tuple[Any, Any] | None = None
         self.global_instruments: _Instruments | None = None
+        self.api: tuple[Any, Any] | None = None
 
 
 _state = _State()
@@ -149,17 +151,23 @@ def _instruments() -> _Instruments | None:
     explicit = _state.explicit
     if explicit is not None:
         return explicit
-    if sys.modules.get("opentelemetry") is None or _switched_off():
-        return None  # nothing configured the SDK in this process
-    from opentelemetry import metrics, trace
-
-    key = (trace.get_tracer_provider(), metrics.get_meter_provider())
+    api = _state.api
+    if api is None:
+        if sys.modules.get("opentelemetry") is None:
+            return None  # nothing in this process uses OpenTelemetry: nothing to configure
+        try:
+            from opentelemetry import metrics, trace
+        except ImportError:
+            return None
+        _state.api = api = (trace.get_tracer_provider, metrics.get_meter_provider)
+    key = (api[0](), api[1]())
     if key == _state.global_key:
-        return _state.global_instruments
-    tracer_provider, meter_provider = (p if _configured(p) else None for p in key)
+        return _state.global_instruments  # decided when these providers were first seen
     instruments = None
-    if tracer_provider is not None or meter_provider is not None:
-        instruments = _Instruments(tracer_provider, meter_provider, _raw_keys_from_env())
+    if not _switched_off():
+        tracer_provider, meter_provider = (p if _configured(p) else None for p in key)
+        if tracer_provider is not None or meter_provider is not None:
+            instruments = _Instruments(tracer_provider, meter_provider, _raw_keys_from_env())
     with _state.lock:
         _state.global_key, _state.global_instruments = key, instruments
     return instruments

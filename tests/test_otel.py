@@ -229,8 +229,17 @@ def test_off_without_a_configured_sdk(monkeypatch: pytest.MonkeyPatch) -> None:
     # The API's default providers are proxies: nothing is configured in this process.
     assert _otel._instruments() is None
     assert _otel.observe("t", "k", InMemoryCacheBackend()) is _otel.NOTHING
+    # Switched off, even with an SDK provider configured globally.
+    monkeypatch.delenv("OTEL_SDK_DISABLED", raising=False)
     monkeypatch.setenv("CREWAI_IDEMPOTENT_OTEL", "0")
+    sdk = TracerProvider()
+    monkeypatch.setattr(_otel._state, "api", (lambda: sdk, lambda: None))
     assert _otel._instruments() is None
+    monkeypatch.setenv("CREWAI_IDEMPOTENT_OTEL", "1")
+    _otel.uninstrument()
+    instruments = _otel._instruments()
+    assert instruments is not None and instruments.tracer is not None
+    _otel.uninstrument()
 
 
 NO_OTEL = r"""
@@ -269,3 +278,24 @@ def test_the_observability_doc_names_what_the_code_emits() -> None:
         "idempotency.fencing_token",
     ):
         assert f"`{name}`" in text, name
+
+
+def test_async_tools_are_observed_too(otel: Telemetry, charges: FakeProvider) -> None:
+    import asyncio
+
+    from crewai.tools import tool
+
+    configure(backend=InMemoryCacheBackend())
+
+    @tool("charge_async", idempotent=True)
+    async def charge_async(amount: int) -> str:
+        """Charge."""
+        return charges.charge(amount, "bob")
+
+    async def twice() -> None:
+        await charge_async.arun(amount=2)
+        await charge_async.arun(amount=2)
+
+    asyncio.run(twice())
+    assert charges.count() == 1
+    assert [s.name for s in otel.finished()] == ["idempotency.claim", "idempotency.replay"]
