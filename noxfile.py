@@ -146,6 +146,19 @@ def _cell(results: list[str]) -> str:
     return "pass" if passed == len(results) else f"**FAIL** ({passed}/{len(results)})"
 
 
+def _ranges(releases: list[str]) -> str:
+    """ "1.10.0-1.11.1, 1.13.0": runs of consecutive measured releases."""
+    measured = [r for r in CREWAI_RELEASES if (RESULTS / f"crewai-{r}.xml").exists()]
+    runs: list[list[str]] = []
+    for release in measured:
+        if release in releases:
+            if runs and measured.index(release) == measured.index(runs[-1][-1]) + 1:
+                runs[-1].append(release)
+            else:
+                runs.append([release])
+    return ", ".join(r[0] if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
 def build_report() -> str:
     """Markdown: one row per release measured, one column per path; each cell says
     whether every retry source (on every executor the release has) held."""
@@ -153,38 +166,46 @@ def build_report() -> str:
         "| crewai | " + " | ".join(PATH_TITLES[p] for p in PATHS) + " | other tests | demo |",
         "|---|" + "---|" * (len(PATHS) + 2),
     ]
-    detail = ["", "Failed or skipped cases, per release:", ""]
-    measured = 0
+    failures: list[str] = []
+    skipped: dict[str, list[str]] = {}
+    measured = []
     for release in CREWAI_RELEASES:
         junit = RESULTS / f"crewai-{release}.xml"
         if not junit.exists():
             continue
-        measured += 1
+        measured.append(release)
         by_path: dict[str, list[str]] = {p: [] for p in PATHS}
         others: list[str] = []
         for props, outcome, name in _cases(junit):
             if props.get("path") in by_path:
                 by_path[props["path"]].append(outcome)
                 if outcome == "failed":
-                    detail.append(
+                    failures.append(
                         f"- {release}: {props['path']} x {props.get('retry')} "
                         f"[{props.get('executor')}] failed"
                     )
-            elif outcome != "skipped":
-                others.append(outcome)
-            if outcome == "failed" and "path" not in props:
-                detail.append(f"- {release}: `{name}` failed")
+                continue
             if outcome == "skipped":
-                detail.append(f"- {release}: `{name}` skipped")
+                skipped.setdefault(name, []).append(release)
+            else:
+                others.append(outcome)
+                if outcome == "failed":
+                    failures.append(f"- {release}: `{name}` failed")
         demo = "pass" if (RESULTS / f"crewai-{release}.demo").exists() else "**FAIL**"
         other = f"{others.count('passed')}/{len(others)}"
         cells = [_cell(by_path[p]) for p in PATHS]
         lines.append(f"| {release} | " + " | ".join(cells) + f" | {other} | {demo} |")
     if not measured:
         return ""
-    if len(detail) == 3:
-        detail.append("- none")
-    return "\n".join(lines + detail) + "\n"
+    not_run = [r for r in CREWAI_RELEASES if r not in measured]
+    head = [
+        f"Measured: {len(measured)} of {len(CREWAI_RELEASES)} releases.",
+        f"Not run: {', '.join(not_run) if not_run else 'none'}.",
+        "",
+    ]
+    tail = ["", "Failures:", "", *(failures or ["- none"]), "", "Skipped (path absent):", ""]
+    tail += [f"- `{name}`: {_ranges(rels)}" for name, rels in sorted(skipped.items())] or ["- none"]
+    return "\n".join(head + lines + tail) + "\n"
 
 
 @nox.session(python=False)
