@@ -147,12 +147,12 @@ def _cell(results: list[str]) -> str:
 
 
 def _ranges(releases: list[str]) -> str:
-    """ "1.10.0-1.11.1, 1.13.0": runs of consecutive measured releases."""
-    measured = [r for r in CREWAI_RELEASES if (RESULTS / f"crewai-{r}.xml").exists()]
+    """E.g. "1.10.0-1.11.1, 1.13.0": runs of consecutive releases, none left out between."""
+    order = CREWAI_RELEASES.index
     runs: list[list[str]] = []
-    for release in measured:
+    for release in CREWAI_RELEASES:
         if release in releases:
-            if runs and measured.index(release) == measured.index(runs[-1][-1]) + 1:
+            if runs and order(release) == order(runs[-1][-1]) + 1:
                 runs[-1].append(release)
             else:
                 runs.append([release])

@@ -124,3 +124,64 @@ class OutcomeUnknown(Exception):
 
     The record becomes UNCERTAIN rather than FAILED, so nothing re-runs it blindly.
     """
+
+
+class ApprovalRequired(IdempotencyError):
+    """The call needs an operator's approval that it does not have yet; nothing was run.
+
+    `request_id` names the stored request (`crewai-idempotent approvals approve ID`).
+    """
+
+    def __init__(self, key: str, request_id: str, tool: str, reason: str) -> None:
+        self.key = key
+        self.request_id = request_id
+        self.tool = tool
+        self.reason = reason
+        super().__init__(
+            f"tool {tool!r} (idempotency key {key!r}) needs approval: {reason}. Nothing was "
+            f"run. Approve it with `crewai-idempotent approvals approve {request_id}` (or "
+            f"deny it with `approvals deny {request_id} --reason ...`), then run the kickoff "
+            "again"
+        )
+
+
+class ApprovalDenied(IdempotencyError):
+    """An operator denied the approval this call needs; it never runs."""
+
+    def __init__(self, key: str, request_id: str, by: str, reason: str) -> None:
+        self.key = key
+        self.request_id = request_id
+        self.by = by
+        self.reason = reason
+        super().__init__(
+            f"approval request {request_id} (idempotency key {key!r}) was denied by {by}"
+            + (f": {reason}" if reason else "")
+            + "; the call was not run and will not be"
+        )
+
+
+class SpendCapExceeded(IdempotencyError):
+    """The call's amount would take a spend cap over its limit; nothing was run."""
+
+    def __init__(
+        self,
+        key: str,
+        cap: str,
+        amount: int,
+        currency: str,
+        limit: int,
+        spent: int,
+        reserved: int,
+    ) -> None:
+        self.key = key
+        self.cap = cap
+        self.amount = amount
+        self.currency = currency
+        self.limit = limit
+        self.spent = spent
+        self.reserved = reserved
+        super().__init__(
+            f"spend cap {cap!r} refuses idempotency key {key!r}: {amount} {currency} (minor "
+            f"units) on top of {spent} spent and {reserved} reserved would exceed the limit of "
+            f"{limit} {currency}; nothing was run"
+        )
