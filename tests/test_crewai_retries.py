@@ -300,3 +300,23 @@ def test_operation_in_progress_is_a_tool_error_and_nothing_runs(
     refused = idem_events.of(IdempotencyConflictEvent)
     assert refused and all(e.reason == "in_progress" for e in refused)
     assert any("is being executed by" in p and "nothing was run" in p for p in llm.prompts)
+
+
+def test_kickoff_template_in_a_flow_is_one_operation(charges: FakeProvider) -> None:
+    # The outermost kickoff names the operation: two crews inside one flow share its id
+    # (crewai's own id from 1.15.16, the plugin's before), a second flow kickoff does not.
+    from crewai.flow.flow import Flow, start
+
+    charge = charge_tool(charges, idempotent=True, idempotency_key="pay:{kickoff}:{invoice}")
+
+    class TwoCrews(Flow):  # type: ignore[type-arg]
+        @start()
+        def pay_twice(self) -> None:
+            for _ in range(2):
+                crew, _ = payment_crew([charge], scripted(True, [("charge_card", ALICE)]))
+                crew.kickoff()
+
+    TwoCrews().kickoff()
+    assert charges.count() == 1
+    TwoCrews().kickoff()
+    assert charges.count() == 2
