@@ -176,8 +176,9 @@ def _instruments() -> _Instruments | None:
 # -- one guarded call ------------------------------------------------------------------
 
 
-class _Nothing:
-    """What a call observes with when OpenTelemetry is off: every hook does nothing."""
+class Observer:
+    """The hooks a guarded call reports to; this one, used while OpenTelemetry is off,
+    does nothing."""
 
     __slots__ = ()
 
@@ -196,10 +197,10 @@ class _Nothing:
         pass
 
 
-NOTHING = _Nothing()
+NOTHING = Observer()
 
 
-class Observation(_Nothing):
+class Observation(Observer):
     """The span and timings of one guarded call."""
 
     __slots__ = (
@@ -286,7 +287,7 @@ class Observation(_Nothing):
         self.finish("claim", None, error)
 
 
-def observe(tool: str, key: str, backend: Any) -> _Nothing:
+def observe(tool: str, key: str, backend: Any) -> Observer:
     """Start observing one guarded call (a no-op object when OpenTelemetry is off)."""
     instruments = _instruments()
     if instruments is None:

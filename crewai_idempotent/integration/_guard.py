@@ -386,7 +386,7 @@ def _returned_failure(exc: Exception) -> Any:
     return None
 
 
-def _observed_error(observation: _otel._Nothing, exc: Exception) -> None:
+def _observed_error(observation: _otel.Observer, exc: Exception) -> None:
     if isinstance(exc, LedgerUnavailable):
         observation.ledger_error(exc)
         return
