@@ -37,6 +37,9 @@ EXAMPLES: dict[str, Any] = {
     "GuardInactive": lambda cls: cls("not installed"),
     "OutcomeUnknown": lambda cls: cls("maybe"),
     "BodyFailed": lambda cls: cls("pay:1", "FAILED", "card declined", RECORD),
+    "ApprovalRequired": lambda cls: cls("pay:1", "ap_" + "0" * 20, "pay", "over 500 EUR"),
+    "ApprovalDenied": lambda cls: cls("pay:1", "ap_" + "0" * 20, "ops", "not ours"),
+    "SpendCapExceeded": lambda cls: cls("pay:1", "pay/kickoff-EUR/k", 60, "EUR", 200, 150, 0),
 }
 
 
