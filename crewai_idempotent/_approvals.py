@@ -1,0 +1,306 @@
+"""Approval requests bound to one call: its idempotency key and its arguments' fingerprint.
+
+A request is a document in the ledger (see `_gatestore`), one per (key, fingerprint), so
+that any number of processes asking for the same call create it once (insert-if-absent)
+and different arguments under the same key are a different request, never a reuse.
+
+States:
+
+    PENDING --approve--> APPROVED --a claim of the key starts its body--> USED
+       |                    |  \\--grant expired when a body would start--> PENDING (new round)
+       \\--deny--> DENIED    \\--deny--> DENIED
+
+A grant is used by the ledger claim whose body it lets start (its fencing token and the
+record's creation time are kept). The ledger runs a key's body at most once while its
+outcome is known, so "used once" is the key's own promise: a takeover of the same record
+after the body is known not to have run (FAILED, `resolve --absent`) may use the grant
+again; once the key has committed, or under a new record for the key, the grant is spent
+and a new round of approval is needed.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _gatestore
+from ._backend import CacheBackend
+from ._errors import ApprovalDenied, ApprovalRequired
+from ._record import Record
+
+KIND = "approval/"
+DEFAULT_APPROVAL_TTL = 24 * 3600.0
+_HISTORY_LIMIT = 50
+
+
+class ApprovalState(enum.StrEnum):
+    PENDING = "PENDING"
+    APPROVED = "APPROVED"
+    DENIED = "DENIED"
+    USED = "USED"
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalRequest:
+    """One stored request, as `approvals show` prints it."""
+
+    id: str
+    key: str
+    fingerprint: str
+    tool: str
+    state: ApprovalState
+    summary: dict[str, Any]
+    reason: str
+    created_at: float
+    crew: str | None = None
+    task: str | None = None
+    kickoff: str | None = None
+    round: int = 1
+    decided_at: float | None = None
+    decided_by: str | None = None
+    decision_reason: str = ""
+    grant_expires_at: float | None = None
+    used_at: float | None = None
+    used_token: int | None = None
+    history: tuple[dict[str, Any], ...] = field(default=())
+
+    @classmethod
+    def from_doc(cls, d: Mapping[str, Any]) -> ApprovalRequest:
+        return cls(
+            id=d["id"], key=d["key"], fingerprint=d["fingerprint"], tool=d["tool"],
+            state=ApprovalState(d["state"]), summary=dict(d["summary"]), reason=d["reason"],
+            created_at=d["created_at"], crew=d["crew"], task=d["task"], kickoff=d["kickoff"],
+            round=d["round"], decided_at=d["decided_at"], decided_by=d["decided_by"],
+            decision_reason=d["decision_reason"], grant_expires_at=d["grant_expires_at"],
+            used_at=d["used_at"], used_token=d["used_token"], history=tuple(d["history"]),
+        )  # fmt: skip
+
+
+def request_id(key: str, fingerprint: str) -> str:
+    """The id of the request for this exact call: the same in every process."""
+    digest = hashlib.sha256(f"{key}\x00{fingerprint}".encode("utf-8", "surrogatepass"))
+    return "ap_" + digest.hexdigest()[:20]
+
+
+def _doc_key(rid: str) -> str:
+    return f"{_gatestore.PREFIX}{KIND}{rid}"
+
+
+def _check_id(rid: Any) -> str:
+    if not isinstance(rid, str) or not rid.startswith("ap_") or len(rid) != 23:
+        raise ValueError(f"not an approval request id (ap_ and 20 hex digits): {rid!r}")
+    return rid
+
+
+def _event(doc: dict[str, Any], now: float, what: str, by: str, note: str = "") -> None:
+    entry = {"at": now, "what": what, "by": by, "note": note}
+    doc["history"] = [*doc["history"], entry][-_HISTORY_LIMIT:]
+
+
+Listener = Callable[[str, ApprovalRequest], None]
+
+
+class ApprovalNotFound(LookupError):
+    """No approval request has this id."""
+
+
+class ApprovalAlreadyDecided(ValueError):
+    """Only a PENDING request can be approved or denied."""
+
+
+class Approvals:
+    """Approval requests kept in `backend`, next to the idempotency records."""
+
+    def __init__(self, backend: CacheBackend) -> None:
+        self.backend = backend
+
+    # -- operators ---------------------------------------------------------------------
+
+    def get(self, rid: str) -> ApprovalRequest:
+        doc = _gatestore.read(self.backend, _doc_key(_check_id(rid)))
+        if doc is None:
+            raise ApprovalNotFound(f"no approval request {rid!r} in {self.backend!r}")
+        return ApprovalRequest.from_doc(doc)
+
+    def list(self, state: ApprovalState | str | None = None) -> list[ApprovalRequest]:
+        wanted = None if state is None else ApprovalState(str(state).upper())
+        found = [ApprovalRequest.from_doc(d) for d in _gatestore.scan(self.backend, KIND)]
+        found = [r for r in found if wanted is None or r.state is wanted]
+        return sorted(found, key=lambda r: r.created_at)
+
+    def approve(
+        self, rid: str, *, by: str, reason: str = "", ttl_s: float = DEFAULT_APPROVAL_TTL
+    ) -> ApprovalRequest:
+        """Grant a PENDING request; the grant must be used within `ttl_s` seconds."""
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0:
+            raise ValueError(f"ttl_s must be a positive number of seconds, not {ttl_s!r}")
+        return self._decide(rid, ApprovalState.APPROVED, by, reason, ttl_s)
+
+    def deny(self, rid: str, *, by: str, reason: str = "") -> ApprovalRequest:
+        """Refuse a PENDING (or granted, unused) request: the call never runs."""
+        return self._decide(rid, ApprovalState.DENIED, by, reason, None)
+
+    def _decide(
+        self, rid: str, state: ApprovalState, by: str, reason: str, ttl_s: float | None
+    ) -> ApprovalRequest:
+        if not isinstance(by, str) or not by.strip():
+            raise ValueError("say who decides: by= must be a non-blank name")
+        key = _doc_key(_check_id(rid))
+
+        def change(doc: dict[str, Any] | None, now: float) -> dict[str, Any]:
+            if doc is None:
+                raise ApprovalNotFound(f"no approval request {rid!r} in {self.backend!r}")
+            current = ApprovalState(doc["state"])
+            allowed = (ApprovalState.PENDING,) + (
+                (ApprovalState.APPROVED,) if state is ApprovalState.DENIED else ()
+            )
+            if current not in allowed:
+                raise ApprovalAlreadyDecided(
+                    f"approval request {rid} is {current.value}"
+                    + (f" (by {doc['decided_by']})" if doc["decided_by"] else "")
+                    + f"; only a PENDING request can be {state.value.lower()}"
+                )
+            doc = {**doc, "state": state.value, "decided_at": now, "decided_by": by}
+            doc["decision_reason"] = reason
+            doc["grant_expires_at"] = now + ttl_s if ttl_s is not None else None
+            _event(doc, now, state.value.lower(), by, reason)
+            return doc
+
+        decided = ApprovalRequest.from_doc(_gatestore.update(self.backend, key, change))
+        _notify("decided", decided)
+        return decided
+
+    # -- the gated call ----------------------------------------------------------------
+
+    def authorize(
+        self,
+        claim: Record,
+        fingerprint: str,
+        *,
+        tool: str,
+        reason: str,
+        summary: Mapping[str, Any],
+        crew: str | None = None,
+        task: str | None = None,
+        kickoff: str | None = None,
+    ) -> ApprovalRequest:
+        """Let the holder of `claim` start its body, or raise.
+
+        Called under the claim (so one caller per key at a time). Returns the grant it
+        used; raises `ApprovalRequired` (a request was created, or is still waiting, or a
+        grant expired or was spent and a new round begins) or `ApprovalDenied`.
+        """
+        rid = request_id(claim.key, fingerprint)
+        created: list[bool] = [False]
+        refusal: list[BaseException | None] = [None]
+
+        def change(doc: dict[str, Any] | None, now: float) -> dict[str, Any]:
+            created[0] = False
+            refusal[0] = None
+            if doc is None:
+                created[0] = True
+                refusal[0] = ApprovalRequired(claim.key, rid, tool, reason)
+                doc = {
+                    "kind": "approval", "id": rid, "key": claim.key, "fingerprint": fingerprint,
+                    "tool": tool, "state": ApprovalState.PENDING.value, "summary": dict(summary),
+                    "reason": reason, "created_at": now, "crew": crew, "task": task,
+                    "kickoff": kickoff, "round": 1, "decided_at": None, "decided_by": None,
+                    "decision_reason": "", "grant_expires_at": None, "used_at": None,
+                    "used_token": None, "used_record": None, "history": [],
+                }  # fmt: skip
+                _event(doc, now, "requested", tool, reason)
+                return doc
+            state = ApprovalState(doc["state"])
+            if state is ApprovalState.PENDING:
+                refusal[0] = ApprovalRequired(claim.key, rid, tool, f"{reason} (still pending)")
+                raise _gatestore.Unchanged(doc)
+            if state is ApprovalState.DENIED:
+                refusal[0] = ApprovalDenied(
+                    claim.key, rid, doc["decided_by"] or "?", doc["decision_reason"]
+                )
+                raise _gatestore.Unchanged(doc)
+            expired = doc["grant_expires_at"] is not None and doc["grant_expires_at"] <= now
+            same_run = (
+                state is ApprovalState.USED
+                and doc["used_record"] == claim.created_at
+                and not any(e.kind == "commit" for e in claim.history)
+            )
+            why_again = None
+            if expired:
+                why_again = "the approval expired before the call ran"
+            elif state is ApprovalState.USED and not same_run:
+                why_again = "the earlier approval was used by a run that finished"
+            if why_again is not None:
+                doc = _new_round(doc, now, why_again)
+                created[0] = True
+                refusal[0] = ApprovalRequired(claim.key, rid, tool, f"{reason}; {why_again}")
+                return doc
+            doc = {**doc, "state": ApprovalState.USED.value, "used_at": now}
+            doc["used_token"] = claim.token
+            doc["used_record"] = claim.created_at
+            _event(doc, now, "used", f"token {claim.token}")
+            return doc
+
+        doc = _gatestore.update(self.backend, _doc_key(rid), change)
+        request = ApprovalRequest.from_doc(doc)
+        if created[0]:
+            _notify("created", request)
+        if refusal[0] is not None:
+            raise refusal[0]
+        return request
+
+
+def _new_round(doc: dict[str, Any], now: float, why: str) -> dict[str, Any]:
+    doc = {**doc, "state": ApprovalState.PENDING.value, "round": doc["round"] + 1}
+    doc.update(decided_at=None, decided_by=None, decision_reason="", grant_expires_at=None)
+    doc.update(used_at=None, used_token=None, used_record=None)
+    _event(doc, now, "reopened", "guard", why)
+    return doc
+
+
+_listeners: list[Listener] = []
+
+
+def add_listener(listener: Listener) -> None:
+    """Call `listener(kind, request)` in this process when a request is created
+    ("created") or decided ("decided") here. The crewAI integration puts them on
+    crewAI's event bus."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def remove_listener(listener: Listener) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
+
+
+def _notify(kind: str, request: ApprovalRequest) -> None:
+    import logging
+
+    for listener in list(_listeners):
+        try:
+            listener(kind, request)
+        except Exception:  # a notifier never changes what the gate decides
+            logging.getLogger("crewai_idempotent").exception(
+                "approval listener failed for %s", request.id
+            )
+
+
+def summarize(args: Mapping[str, Any], redact: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What an operator sees of the arguments: values named in `redact` hidden, long
+    texts cut, anything not JSON-like shown by its repr."""
+    out: dict[str, Any] = {}
+    for name, value in args.items():
+        if name in redact:
+            out[name] = "<redacted>"
+        elif isinstance(value, str):
+            out[name] = value if len(value) <= 200 else value[:200] + "..."
+        elif value is None or isinstance(value, bool | int | float):
+            out[name] = value
+        else:
+            text = repr(value)
+            out[name] = text if len(text) <= 200 else text[:200] + "..."
+    return out

@@ -1,0 +1,92 @@
+"""Documents kept in the ledger under reserved keys: spend caps and approval requests.
+
+They use the store's own five operations and nothing else, so every backend carries them
+unchanged: a document is the `result` of a COMMITTED record that never expires, created
+with `insert` (insert-if-absent) and changed only by `replace` (compare-and-set on token
+and revision). Two processes changing one document at once: one wins, the other reads it
+again and re-decides on what it finds.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._backend import CacheBackend
+from ._record import Record, Status
+from ._results import decode, encode
+
+#: Every key this module writes starts with this; `crewai-idempotent ls` shows them too.
+PREFIX = "crewai-idempotent/"
+_FINGERPRINT = "crewai-idempotent-document"
+
+
+class Unchanged(Exception):
+    """Raised by an update function to leave the document as it is (no write)."""
+
+    def __init__(self, doc: dict[str, Any] | None) -> None:
+        super().__init__("unchanged")
+        self.doc = doc
+
+
+def is_document(record: Record) -> bool:
+    return record.key.startswith(PREFIX) and record.fingerprint == _FINGERPRINT
+
+
+def read(backend: CacheBackend, key: str) -> dict[str, Any] | None:
+    record = backend.get(key)
+    return None if record is None else _doc(record)
+
+
+def scan(backend: CacheBackend, kind: str) -> Iterator[dict[str, Any]]:
+    """Every document whose key starts with PREFIX + kind."""
+    start = PREFIX + kind
+    for record in backend.scan(Status.COMMITTED):
+        if record.key.startswith(start) and record.fingerprint == _FINGERPRINT:
+            yield _doc(record)
+
+
+def update(
+    backend: CacheBackend,
+    key: str,
+    change: Callable[[dict[str, Any] | None, float], dict[str, Any]],
+) -> dict[str, Any]:
+    """Apply `change(current_doc_or_None, store_now)` atomically and return the new doc.
+
+    `change` may be called several times (once per lost race) and must decide only from
+    what it is given; it raises `Unchanged(doc)` to write nothing, or any other
+    exception to abort.
+    """
+    lost = 0
+    while True:
+        current = backend.get(key)
+        now = backend.now()
+        doc = None if current is None else _doc(current)
+        try:
+            new_doc = change(doc, now)
+        except Unchanged as nothing:
+            return nothing.doc if nothing.doc is not None else (doc or {})
+        payload = encode(new_doc)
+        if current is None:
+            record = Record(
+                key=key, status=Status.COMMITTED, fingerprint=_FINGERPRINT, token=1, revision=1,
+                owner=None, attempts=0, created_at=now, updated_at=now, result=payload,
+            )  # fmt: skip
+            if backend.insert(record) is None:
+                return new_doc
+        elif backend.replace(current, current.evolve(None, result=payload, updated_at=now)):
+            return new_doc
+        lost += 1
+        # Many writers on one document: a short random pause spreads the retries out.
+        time.sleep(random.uniform(0, min(0.002 * lost, 0.05)))
+
+
+def _doc(record: Record) -> dict[str, Any]:
+    value = decode(record.result)
+    if not isinstance(value, dict):
+        from ._errors import LedgerUnavailable
+
+        raise LedgerUnavailable(f"the ledger holds a corrupt document under {record.key!r}")
+    return value
