@@ -41,6 +41,12 @@ OPTION_NAMES = (
     "reconcile",
     "on_stale",
     "fingerprint",
+    "approval",
+    "spend",
+    "caps",
+    "on_approval",
+    "approval_wait_s",
+    "redact",
 )
 
 

@@ -7,8 +7,11 @@ automatic start-up hook. Backends and their libraries load when first used.
 
 from typing import TYPE_CHECKING, Any
 
+from ._approvals import ApprovalRequest, Approvals, ApprovalState
 from ._backend import CacheBackend
 from ._errors import (
+    ApprovalDenied,
+    ApprovalRequired,
     GuardInactive,
     IdempotencyError,
     IdempotencyKeyConflict,
@@ -19,11 +22,13 @@ from ._errors import (
     OutcomeUncertain,
     OutcomeUnknown,
     ResolutionRefused,
+    SpendCapExceeded,
 )
 from ._keys import fingerprint, validate_key
 from ._ledger import Ledger, Outcome
 from ._reconcile import Absent, Found, Unknown
 from ._record import Event, Owner, Record, Status
+from ._spend import Money, SpendCap, SpendLedger
 
 # The crewai integration imports crewai only once crewai itself is imported.
 from .integration import IdempotencyConfig, KeyContext, configure, idempotent, install, uninstall
@@ -66,6 +71,11 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Absent",
+    "ApprovalDenied",
+    "ApprovalRequest",
+    "ApprovalRequired",
+    "ApprovalState",
+    "Approvals",
     "CacheBackend",
     "Event",
     "FileLockCacheBackend",
@@ -81,6 +91,7 @@ __all__ = [
     "Ledger",
     "LedgerConfigurationError",
     "LedgerUnavailable",
+    "Money",
     "OperationInProgress",
     "Outcome",
     "OutcomeUncertain",
@@ -92,6 +103,9 @@ __all__ = [
     "RedisDurabilityWarning",
     "ResolutionRefused",
     "SQLiteCacheBackend",
+    "SpendCap",
+    "SpendCapExceeded",
+    "SpendLedger",
     "Status",
     "Unknown",
     "backend_from_url",

@@ -126,7 +126,13 @@ class Approvals:
         return ApprovalRequest.from_doc(doc)
 
     def list(self, state: ApprovalState | str | None = None) -> list[ApprovalRequest]:
-        wanted = None if state is None else ApprovalState(str(state).upper())
+        wanted = None
+        if state is not None and str(state).lower() != "all":
+            try:
+                wanted = ApprovalState(str(state).upper())
+            except ValueError:
+                names = ", ".join(s.value.lower() for s in ApprovalState)
+                raise ValueError(f"state must be one of {names} or all, not {state!r}") from None
         found = [ApprovalRequest.from_doc(d) for d in _gatestore.scan(self.backend, KIND)]
         found = [r for r in found if wanted is None or r.state is wanted]
         return sorted(found, key=lambda r: r.created_at)

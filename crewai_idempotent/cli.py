@@ -736,5 +736,9 @@ def demo(ledger_path: str | None) -> None:
     sys.exit(int(code or 0))
 
 
+from ._cli_gates import register  # noqa: E402 - its commands attach to `main`, defined above
+
+register(main)
+
 if __name__ == "__main__":  # `python -m crewai_idempotent.cli`
     main(prog_name="crewai-idempotent")

@@ -91,8 +91,17 @@ class IdempotencyConfig:
     lease_s: float | None = None
     ttl: float | None = None
     on_stale: StalePolicy | None = None
+    # Approval gates and spend caps (see _gates.py and docs/approvals.md): by tool name.
+    approval: Mapping[str, bool | Callable[[dict[str, Any], Any], bool]] | None = None
+    spend: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None
+    caps: Any = None
+    on_approval: Literal["raise", "report"] | None = None
+    approval_wait_s: float | None = None
 
     def __post_init__(self) -> None:
+        from ._gates import check_crew_options
+
+        check_crew_options(self)
         if self.backend is not None and not isinstance(self.backend, CacheBackend | str):
             raise TypeError(
                 "backend must be a crewai_idempotent CacheBackend or a ledger URL string, "
@@ -121,10 +130,20 @@ class ToolOptions:
     reconcile: Reconciler | None = None
     on_stale: StalePolicy | None = None
     fingerprint: Fingerprinter | None = None
+    # Approval gates and spend caps (see _gates.py and docs/approvals.md).
+    approval: bool | Callable[[dict[str, Any], Any], bool] | None = None
+    spend: Callable[[dict[str, Any]], Any] | None = None
+    caps: Any = None
+    on_approval: Literal["raise", "report"] | None = None
+    approval_wait_s: float | None = None
+    redact: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.idempotent, bool):
             raise TypeError(f"idempotent must be True or False, not {self.idempotent!r}")
+        from ._gates import check_tool_options
+
+        check_tool_options(self)
         _check_key_spec("idempotency_key", self.idempotency_key)
         _check_seconds("wait_s", self.wait_s)
         _check_seconds("lease_s", self.lease_s, positive=True)

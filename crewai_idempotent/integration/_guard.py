@@ -32,7 +32,7 @@ from .._errors import (
 from .._keys import validate_key
 from .._ledger import Outcome, current_claim
 from .._record import Record, Status
-from . import _compat
+from . import _compat, _gates
 from ._config import IdempotencyConfig, Settings, ToolOptions, resolve
 from ._keying import KEY_PARAMETER, KeyContext, derive_key
 
@@ -208,6 +208,7 @@ class _Call:
     args: dict[str, Any]
     settings: Settings
     scope: Scope | None
+    gates: _gates.Gates | None = None  # approval and spend caps, when the call has any
 
 
 def _task_key(task: Any) -> str | None:
@@ -263,9 +264,14 @@ def _prepare(
         key = derive_key(settings.idempotency_key, arguments, ctx)
     if key in _running.get():
         return None  # a guard inside the same operation (a subclass calling super()._run)
+    gate_ctx = _gates.GateContext(
+        name, key, crew.key if crew is not None else None,
+        _task_key(scope.task if scope is not None else None), _compat.execution_uuid(),
+    )  # fmt: skip
+    gates = _gates.plan(options, crew_config, name, key, digest, arguments, gate_ctx)
     if target.takes_key:
         kwargs[KEY_PARAMETER] = key
-    return _Call(tool, name, key, digest, arguments, settings, scope)
+    return _Call(tool, name, key, digest, arguments, settings, scope, gates)
 
 
 # -- events ----------------------------------------------------------------------------
@@ -347,7 +353,7 @@ def _failed(call: _Call, exc: Exception) -> BaseException:
         cause = exc.__cause__
         assert isinstance(cause, Exception)  # the ledger wraps only Exceptions
         if exc.status != Status.UNCERTAIN:
-            return cause
+            return _gates.refused(call, cause)
         # The body said (or showed) that its effect may have happened.
         uncertain = OutcomeUncertain(call.key, exc.record, exc.reason)
         uncertain.__cause__ = cause
@@ -431,7 +437,7 @@ def call(
         observation.claimed()
         token = _running.set(_running.get() | {prepared.key})
         try:
-            return _checked(fn(*args, **kwargs))
+            return _gates.run(prepared, lambda: _checked(fn(*args, **kwargs)))
         finally:
             _running.reset(token)
             observation.returned()
@@ -480,7 +486,11 @@ async def acall(
         observation.claimed()
         token = _running.set(_running.get() | {prepared.key})
         try:
-            return _checked(await fn(*args, **kwargs))
+
+            async def checked() -> Any:  # a returned ToolFailure counts as failed at the gates
+                return _checked(await fn(*args, **kwargs))
+
+            return await _gates.arun(prepared, checked)
         finally:
             _running.reset(token)
             observation.returned()

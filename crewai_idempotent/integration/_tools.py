@@ -211,11 +211,13 @@ def idempotent(
     reconcile: Callable[[str, Any], Any] | None = None,
     on_stale: str | None = None,
     fingerprint: Callable[[dict[str, Any]], Any] | None = None,
+    **gates: Any,
 ) -> BaseTool:
     """A guarded copy of `tool` (a crewai_tools or MCP tool, or any BaseTool).
 
     `key` (or `idempotency_key`) is the key template or callable; the other options are
-    those of `@tool(..., idempotent=True)`. The original tool is left as it was.
+    those of `@tool(..., idempotent=True)`, approval gates and spend caps included
+    (`approval=`, `spend=`, `caps=`, ...). The original tool is left as it was.
     """
     from crewai.tools.base_tool import BaseTool, Tool
 
@@ -235,6 +237,7 @@ def idempotent(
         reconcile=reconcile,
         on_stale=on_stale,  # type: ignore[arg-type]
         fingerprint=fingerprint,
+        **gates,
     )
     guarded = tool.model_copy()
     if isinstance(guarded, Tool):

@@ -1,0 +1,232 @@
+"""`crewai-idempotent approvals ls / show / approve / deny` and `crewai-idempotent spend`.
+
+Attached to the main group by `cli.py` (`register(main)`); they use the same `--ledger`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+
+def _where_ledger(where: Any) -> Any:
+    return where.ledger()
+
+
+def _approvals(where: Any) -> Any:
+    from ._approvals import Approvals
+
+    return Approvals(_where_ledger(where).backend)
+
+
+def _stamp(at: float | None) -> str:
+    if at is None:
+        return "-"
+    from .cli import _stamp as stamp
+
+    return stamp(at)
+
+
+def _who() -> str:
+    from ._ledger import _whoami
+
+    return _whoami()
+
+
+def _fail(where: Any, exc: Exception) -> click.ClickException:
+    from .cli import safe
+
+    return click.ClickException(safe(where.scrub(str(exc))))
+
+
+@click.group("approvals")
+def approvals() -> None:
+    """Approval requests of gated tools: list, inspect, approve, deny. See docs/approvals.md."""
+
+
+@approvals.command("ls")
+@click.option(
+    "--state",
+    type=click.Choice(["pending", "approved", "denied", "used", "all"], case_sensitive=False),
+    default="pending",
+    show_default=True,
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
+@click.pass_obj
+def list_approvals(where: Any, state: str, as_json: bool) -> None:
+    """List approval requests (pending ones by default)."""
+    from .cli import _errors, safe
+
+    with _errors(where):
+        found = _approvals(where).list(None if state.lower() == "all" else state)
+    if as_json:
+        click.echo(json.dumps([_doc(r) for r in found], indent=2, sort_keys=True))
+        return
+    if not found:
+        click.echo(f"no {state.lower()} approval requests in {where.label}")
+        return
+    for r in found:
+        summary = json.dumps(r.summary, sort_keys=True, default=str)
+        click.echo(
+            safe(
+                f"{r.id}  {r.state.value:<8}  {r.tool}  {summary}  key={r.key!r}  "
+                f"asked {_stamp(r.created_at)}"
+            )
+        )
+
+
+@approvals.command("show")
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True, help="The request as JSON.")
+@click.pass_obj
+def show_approval(where: Any, request_id: str, as_json: bool) -> None:
+    """Everything stored about one request, its history included."""
+    from ._approvals import ApprovalNotFound
+    from .cli import _errors, safe
+
+    try:
+        with _errors(where):
+            request = _approvals(where).get(request_id)
+    except (ApprovalNotFound, ValueError) as exc:
+        raise _fail(where, exc) from None
+    doc = _doc(request)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        return
+    for name in ("id", "state", "tool", "key", "fingerprint", "reason", "round", "kickoff",
+                 "crew", "task", "decided_by", "decision_reason"):  # fmt: skip
+        click.echo(safe(f"{name:>16}: {doc[name]}"))
+    for name in ("created_at", "decided_at", "grant_expires_at", "used_at"):
+        click.echo(f"{name:>16}: {_stamp(doc[name])}")
+    click.echo(safe(f"{'summary':>16}: {json.dumps(doc['summary'], sort_keys=True, default=str)}"))
+    click.echo(f"{'history':>16}:")
+    for event in doc["history"]:
+        note = f" ({event['note']})" if event["note"] else ""
+        click.echo(safe(f"  {_stamp(event['at'])}  {event['what']} by {event['by']}{note}"))
+
+
+def _duration(value: str) -> float:
+    from .cli import _duration as parse
+
+    seconds = parse(value)
+    if seconds is None or seconds <= 0:
+        raise click.BadParameter(f"{value!r} is not a positive duration (e.g. 30m, 24h, 2d)")
+    return seconds
+
+
+@approvals.command("approve")
+@click.argument("request_id")
+@click.option("--reason", default="", help="Why (kept with the decision).")
+@click.option("--by", metavar="NAME", help="Who approves (default: user@host).")
+@click.option(
+    "--ttl", default="24h", show_default=True, help="The grant must be used within (30m, 2d...)."
+)
+@click.pass_obj
+def approve(where: Any, request_id: str, reason: str, by: str | None, ttl: str) -> None:
+    """Approve a pending request: the next run of that exact call goes ahead, once."""
+    _decide(where, request_id, True, reason, by, _duration(ttl))
+
+
+@approvals.command("deny")
+@click.argument("request_id")
+@click.option("--reason", required=True, help="Why (the agent is told).")
+@click.option("--by", metavar="NAME", help="Who denies (default: user@host).")
+@click.pass_obj
+def deny(where: Any, request_id: str, reason: str, by: str | None) -> None:
+    """Deny a request: the call fails with ApprovalDenied and never runs."""
+    _decide(where, request_id, False, reason, by, None)
+
+
+def _decide(
+    where: Any, rid: str, grant: bool, reason: str, by: str | None, ttl: float | None
+) -> None:
+    from ._approvals import ApprovalAlreadyDecided, ApprovalNotFound
+    from .cli import _errors, safe
+
+    who = by or _who()
+    try:
+        with _errors(where):
+            store = _approvals(where)
+            if grant:
+                assert ttl is not None
+                decided = store.approve(rid, by=who, reason=reason, ttl_s=ttl)
+            else:
+                decided = store.deny(rid, by=who, reason=reason)
+    except (ApprovalNotFound, ApprovalAlreadyDecided, ValueError) as exc:
+        raise _fail(where, exc) from None
+    until = f" until {_stamp(decided.grant_expires_at)}" if grant else ""
+    click.echo(safe(f"{decided.id} {decided.state.value} by {who}{until} (key {decided.key!r})"))
+
+
+@click.command("spend")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
+@click.pass_obj
+def spend(where: Any, as_json: bool) -> None:
+    """Budgets per spend cap window: limit, committed, reserved, available (minor units)."""
+    from ._spend import SpendLedger
+    from .cli import _errors, safe
+
+    with _errors(where):
+        budgets = SpendLedger(_where_ledger(where).backend).budgets()
+    if as_json:
+        rows = [
+            {
+                "cap": b.cap, "scope": b.scope, "per": b.per, "window": b.window,
+                "currency": b.currency, "limit": b.limit, "committed": b.committed,
+                "reserved": b.reserved, "available": b.available,
+                "reservations": b.reservations,
+            }
+            for b in budgets
+        ]  # fmt: skip
+        click.echo(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    if not budgets:
+        click.echo(f"no spend caps have been used in {where.label}")
+        return
+    for b in budgets:
+        click.echo(
+            safe(
+                f"{b.scope}/{b.cap}  window {b.window}  limit {b.limit} {b.currency}  "
+                f"committed {b.committed}  reserved {b.reserved}  available {b.available}"
+            )
+        )
+
+
+def _doc(request: Any) -> dict[str, Any]:
+    return {
+        "id": request.id, "state": request.state.value, "tool": request.tool,
+        "key": request.key, "fingerprint": request.fingerprint, "reason": request.reason,
+        "round": request.round, "kickoff": request.kickoff, "crew": request.crew,
+        "task": request.task, "decided_by": request.decided_by,
+        "decision_reason": request.decision_reason, "created_at": request.created_at,
+        "decided_at": request.decided_at, "grant_expires_at": request.grant_expires_at,
+        "used_at": request.used_at, "summary": request.summary,
+        "history": list(request.history),
+    }  # fmt: skip
+
+
+@click.command("demo-approvals")
+@click.option(
+    "--ledger-path",
+    type=click.Path(dir_okay=False, path_type=str),
+    help="SQLite file for the demo's ledger (default: a fresh temporary one).",
+)
+def demo_approvals(ledger_path: str | None) -> None:
+    """Run an offline crew whose large payment waits for approval and whose cap refuses one."""
+    import sys
+
+    from .cli import _console
+
+    try:
+        from .demo_approvals import run_demo
+    except ImportError as exc:
+        raise click.ClickException(f"the demo is not available: {exc}") from None
+    sys.exit(int(run_demo(ledger_path, console=_console()) or 0))
+
+
+def register(main: click.Group) -> None:
+    main.add_command(approvals)
+    main.add_command(spend)
+    main.add_command(demo_approvals)
