@@ -6,6 +6,7 @@ real processes (fork, SIGKILL).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -33,7 +34,7 @@ from crewai_idempotent._errors import (
     OutcomeUncertain,
     SpendCapExceeded,
 )
-from crewai_idempotent._gating import Plan, run
+from crewai_idempotent._gating import Plan, arun, run
 from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where
 from tests.conftest import DURABLE_BACKENDS
 from tests.faults.provider import Provider
@@ -352,3 +353,37 @@ def test_summaries_hide_what_they_are_told_to() -> None:
     )
     assert summary["iban"] == "<redacted>" and summary["amount_cents"] == 5
     assert len(summary["memo"]) == 203 and summary["x"].startswith("<object")
+
+
+def test_async_waiting_polls_without_blocking_the_loop(
+    backend: CacheBackend, tmp_path: Path
+) -> None:
+    provider = Provider.create(tmp_path / "effects")
+    ledger = Ledger(backend)
+    plan = _plan(65_000, approval_wait_s=30.0)
+
+    async def approver() -> None:
+        # On the same loop as the waiting call: if the wait blocked the loop, this never
+        # ran and the call gave up after 30 s with ApprovalRequired.
+        approvals = Approvals(backend)
+        while True:
+            pending = await asyncio.to_thread(approvals.list, "pending")
+            if pending:
+                await asyncio.to_thread(approvals.approve, pending[0].id, by="ops")
+                return
+            await asyncio.sleep(0.02)
+
+    async def body() -> str:
+        return provider.charge("inv-async")
+
+    async def main() -> Any:
+        paid, _ = await asyncio.gather(
+            ledger.arun(
+                "inv-async", lambda: arun(backend, plan, body), fingerprint=plan.fingerprint
+            ),
+            approver(),
+        )
+        return paid
+
+    receipt = asyncio.run(main())
+    assert provider.receipts("inv-async") == [receipt]
