@@ -5,7 +5,8 @@ A backend stores one `Record` per key. The guard needs only:
 * `insert` — store a record if its key is absent (the claim), atomically;
 * `replace` — store a record if the stored one is still `current` (same token and
   revision), atomically; every transition after the claim goes through it;
-* `get`, `scan` and `delete` for replays, waiting, inspection and clean-up.
+* `get`, `scan` and `delete` for replays, waiting, inspection and clean-up;
+* `peek` — a light read for the replay fast path (by default, `get`).
 
 Backends raise `LedgerUnavailable` with a specific message when they cannot read or
 write; the guard treats any other exception from a backend the same way (fail closed).
@@ -18,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 from ._clock import ServerClock
-from ._record import Record, Status
+from ._record import Peek, Record, Status
 
 
 class CacheBackend(ABC):
@@ -26,6 +27,10 @@ class CacheBackend(ABC):
 
     #: False only for stores that lose everything when the process ends.
     durable: bool = True
+    #: True when a read is cheap and local (an embedded store): the guard then peeks
+    #: before claiming, so a replay never takes the store's write lock. A server store
+    #: keeps its single round trip (its claim statement already returns the holder).
+    read_first: bool = False
 
     def now(self) -> float:
         """The store's clock in epoch seconds; leases and TTLs are measured against it."""
@@ -53,6 +58,12 @@ class CacheBackend(ABC):
     @abstractmethod
     def get(self, key: str) -> Record | None:
         """The record stored under `key`, or None."""
+
+    def peek(self, key: str) -> Peek | None:
+        """What a replay needs of the record under `key` (status, fingerprint, expiry and
+        encoded result), or None. Stores override it to skip decoding the whole record."""
+        record = self.get(key)
+        return None if record is None else Peek.of(record)
 
     @abstractmethod
     def scan(self, status: Status | None = None) -> Iterator[Record]:

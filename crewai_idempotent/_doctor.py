@@ -130,6 +130,7 @@ def _durability_facts(backend: Any, out: _Report) -> None:
             "FULL": "survives power loss",
             "EXTRA": "survives power loss",
             "NORMAL": "survives a crashed process; the last commits may be lost on power loss",
+            "CLAIMS": "claims survive power loss; a commit lost to it leaves an uncertain record",
         }.get(level, "")
         out.fact("durability", f"synchronous={level}: {note}")
     elif kind == "FileLockCacheBackend":

@@ -34,11 +34,13 @@ from . import _fork
 from ._backend import CacheBackend
 from ._errors import LedgerUnavailable
 from ._paths import check_trusted, private_folder
-from ._record import Record, Status
+from ._record import Peek, Record, Status
 
 
 class FileLockCacheBackend(CacheBackend):
     """A ledger folder holding one JSON file per key (named by the key's SHA-256)."""
+
+    read_first = True  # a read is one open() of a local file: replays peek before claiming
 
     def __init__(
         self,
@@ -152,6 +154,15 @@ class FileLockCacheBackend(CacheBackend):
         return f"{reason}: {path}: {exc}"
 
     def _read(self, path: Path) -> Record | None:
+        data = self._read_bytes(path)
+        if data is None:
+            return None
+        try:
+            return Record.from_json(data)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LedgerUnavailable(f"the record file is corrupt: {path}: {exc!r}") from exc
+
+    def _read_bytes(self, path: Path) -> bytes | None:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -170,10 +181,7 @@ class FileLockCacheBackend(CacheBackend):
             raise LedgerUnavailable(self._explain(exc, path)) from exc
         finally:
             os.close(fd)
-        try:
-            return Record.from_json(data)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LedgerUnavailable(f"the record file is corrupt: {path}: {exc!r}") from exc
+        return data
 
     def _write_temp(self, final: Path, record: Record) -> Path:
         temp = final.with_name(f".{final.name}.{secrets.token_hex(6)}.tmp")
@@ -289,6 +297,18 @@ class FileLockCacheBackend(CacheBackend):
     def get(self, key: str) -> Record | None:
         self._check_identity()
         return self._read(self._names(key)[0])
+
+    def peek(self, key: str) -> Peek | None:
+        # A read of the record file: no key lock, no temp file, no fsync.
+        self._check_identity()
+        path = self._names(key)[0]
+        data = self._read_bytes(path)
+        if data is None:
+            return None
+        try:
+            return Peek.from_json(data)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LedgerUnavailable(f"the record file is corrupt: {path}: {exc!r}") from exc
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         self._check_identity()

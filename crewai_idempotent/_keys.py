@@ -25,6 +25,17 @@ _FORBIDDEN = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 
 def validate_key(key: object) -> str:
     """Return `key` if it is a usable idempotency key, else raise InvalidIdempotencyKey."""
+    # Most keys are printable ASCII: no control character, no surrogate, one byte per
+    # character, and blank only if every character is a space. Anything else is
+    # checked in full below.
+    if (
+        type(key) is str
+        and key.isascii()
+        and key.isprintable()
+        and 0 < len(key) <= MAX_KEY_BYTES
+        and not key.isspace()
+    ):
+        return key
     if not isinstance(key, str):
         raise InvalidIdempotencyKey(f"idempotency key must be a str, not {type(key).__name__}")
     if not key.strip():

@@ -43,8 +43,8 @@ from ._errors import (
 )
 from ._keys import validate_key
 from ._reconcile import Absent, Found, Unknown, Verdict
-from ._record import _HOST, Event, Owner, Record, Status
-from ._results import encode
+from ._record import _HOST, Event, Owner, Peek, Record, Status
+from ._results import decode, encode
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -83,16 +83,44 @@ def current_claim() -> Record | None:
     return _current_claim.get()
 
 
-@dataclass(frozen=True, slots=True)
 class Outcome(Generic[T]):
-    """What `Ledger.execute` returns: the value, whether it was replayed, and the record."""
+    """What `Ledger.execute` returns: the value, whether it was replayed, and the record.
 
-    value: T
-    replayed: bool
-    record: Record
+    A replay from the fast path holds a `Peek` and builds `record` on first access, so a
+    caller that wants only the value never pays for decoding the history.
+    """
+
+    __slots__ = ("_record", "replayed", "value")
+
+    def __init__(self, value: T, replayed: bool, record: Record | Peek) -> None:
+        self.value = value
+        self.replayed = replayed
+        self._record = record
+
+    @property
+    def record(self) -> Record:
+        record = self._record
+        if type(record) is Peek:
+            record = self._record = record.record()
+        assert isinstance(record, Record)
+        return record
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Outcome):
+            return NotImplemented
+        mine, theirs = (
+            (self.value, self.replayed, self.record),
+            (other.value, other.replayed, other.record),
+        )
+        return mine == theirs
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Outcome(value={self.value!r}, replayed={self.replayed!r}, record={self.record!r})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every call, and frozen fields cost a call each
 class _Options:
     fingerprint: str
     args: Any
@@ -142,10 +170,12 @@ Step = Generator[_Call | _Sleep | _Park | _Ask, Any, T]
 class _Claim:
     """A claim this process holds; the lease keeper renews it until `done`."""
 
-    __slots__ = ("done", "due", "lease_s", "lock", "lost", "pid", "record", "ttl")
+    __slots__ = ("by", "done", "due", "lease_s", "lock", "lost", "pid", "record", "ttl")
 
-    def __init__(self, record: Record, options: _Options) -> None:
+    def __init__(self, record: Record, options: _Options, by: str | None = None) -> None:
         self.record = record
+        # Who the history names for the outcome: the owner, labelled once per claim.
+        self.by = by or (record.owner.label if record.owner else _whoami())
         self.lease_s = options.lease_s
         self.ttl = options.ttl
         self.lock = threading.Lock()
@@ -383,10 +413,22 @@ class Ledger:
         return _Options(fingerprint, args, wait_s, lease_s, ttl, reconcile, policy)
 
     def _acquire(self, key: str, o: _Options) -> Step[_Claim | Outcome[Any]]:
+        peeked: Peek | None = None
+        if self.backend.read_first:
+            # A replay is a read: no write lock, no claim record, no room, and only the
+            # result decoded. Anything else goes the full way below, which decides (and
+            # writes) with the whole record.
+            peeked = yield _Call(self.backend.peek, key)
+            if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now()):
+                if self._listeners:
+                    self._emit("replay", peeked.record())
+                return Outcome(decode(peeked.result), True, peeked)
         rooms = self._rooms
         room = rooms.enter(key)
         me = object()
         try:
+            if peeked is not None:
+                rooms.publish(key, peeked.record(), read=True)  # spares a failing claim
             return (yield from self._acquire_in(room, o, me))
         finally:
             rooms.leave(room, me)
@@ -503,19 +545,11 @@ class Ledger:
         """Insert the claim; None (with the holder published) if the key is taken."""
         now = self.backend.now()
         owner = Owner.current()
+        label = owner.label
         record = Record(
-            key=room.key,
-            status=Status.PENDING,
-            fingerprint=o.fingerprint,
-            token=1,
-            revision=1,
-            owner=owner,
-            attempts=1,
-            created_at=now,
-            updated_at=now,
-            lease_expires_at=now + o.lease_s,
-            history=(Event(now, "claim", 1, owner.label),),
-        )
+            room.key, Status.PENDING, o.fingerprint, 1, 1, owner, 1, now, now, now + o.lease_s,
+            None, None, None, False, (), (Event(now, "claim", 1, label),),
+        )  # fmt: skip
         try:
             holder = yield _Call(self.backend.insert, record, claims=record)
         except LedgerUnavailable as exc:
@@ -525,7 +559,7 @@ class Ledger:
         if holder is None:
             self._rooms.publish(room.key, record)
             self._emit("claim", record)
-            return _Claim(record, o)
+            return _Claim(record, o, label)
         self._rooms.publish(room.key, holder, read=True)
         return None
 
@@ -691,18 +725,27 @@ class Ledger:
             claim.done = True
             current = claim.record
         now = self.backend.now()
-        owner = current.owner.label if current.owner else _whoami()
-        changes: dict[str, Any] = {"status": status, "updated_at": now, "lease_expires_at": None}
+        owner = claim.by
         if status is Status.COMMITTED:
             payload = encode(value)
             kind = "commit"
-            changes.update(result=payload, error=None)
-            changes["expires_at"] = now + claim.ttl if claim.ttl else None
+            new = current.settled(
+                Event(now, kind, current.token, owner, ""),
+                status,
+                now,
+                result=payload,
+                expires_at=now + claim.ttl if claim.ttl else None,
+            )
         else:
             payload = None
             kind = "fail" if status is Status.FAILED else "uncertain"
-            changes["error"] = reason
-        new = current.evolve(Event(now, kind, current.token, owner, reason or ""), **changes)
+            new = current.settled(
+                Event(now, kind, current.token, owner, reason or ""),
+                status,
+                now,
+                error=reason,
+                expires_at=current.expires_at,
+            )
         deadline = time.monotonic() + self.commit_retry_s
         delay = 0.05
         while True:
@@ -984,6 +1027,8 @@ class Ledger:
         return error
 
     def _emit(self, kind: str, record: Record) -> None:
+        if not self._listeners:
+            return
         for listener in self._listeners:
             try:
                 listener(kind, record)
@@ -1063,6 +1108,10 @@ class _Rooms:
 
     def publish(self, key: str, record: Record | None, *, read: bool = False) -> None:
         """News of `key`: a record this process wrote (or read, or None: absent)."""
+        if key not in self._rooms:
+            # Nobody waits on the key. One who enters after this look has a new room
+            # and asks the store, which already holds what this news would say.
+            return
         with self._lock:
             room = self._rooms.get(key)
             if room is None:

@@ -6,13 +6,14 @@ import threading
 from collections.abc import Iterator
 
 from ._backend import CacheBackend
-from ._record import Record, Status
+from ._record import Peek, Record, Status
 
 
 class InMemoryCacheBackend(CacheBackend):
     """Not durable: every record is lost when the process ends. Use it in tests only."""
 
     durable = False
+    read_first = True
 
     def __init__(self) -> None:
         self._records: dict[str, Record] = {}
@@ -35,6 +36,10 @@ class InMemoryCacheBackend(CacheBackend):
 
     def get(self, key: str) -> Record | None:
         return self._records.get(key)
+
+    def peek(self, key: str) -> Peek | None:
+        record = self._records.get(key)
+        return None if record is None else Peek.of(record)
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         with self._lock:

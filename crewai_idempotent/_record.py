@@ -105,14 +105,32 @@ class Record:
             and self.expires_at <= now
         )
 
+    def settled(
+        self,
+        event: Event,
+        status: Status,
+        now: float,
+        *,
+        result: Any = None,
+        error: str | None = None,
+        expires_at: float | None = None,
+    ) -> Record:
+        """The owner's own commit or failure of this claim: `evolve` for the hot path.
+
+        The next revision, `event` appended, the lease gone; the fields passed replace
+        `result`, `error` and `expires_at`.
+        """
+        return Record(
+            self.key, status, self.fingerprint, self.token, self.revision + 1, self.owner,
+            self.attempts, self.created_at, now, None, expires_at, result, error,
+            self.needs_operator, self.evidence, _appended(self.history, event),
+        )  # fmt: skip
+
     def evolve(self, event: Event | None = None, **changes: Any) -> Record:
         """A copy with `changes` applied, the next revision, and `event` appended."""
         changes.setdefault("revision", self.revision + 1)
         if event is not None:
-            history = (*self.history, event)
-            if len(history) > HISTORY_LIMIT:
-                history = history[:1] + history[-(HISTORY_LIMIT - 1) :]
-            changes["history"] = history
+            changes["history"] = _appended(self.history, event)
         unknown = changes.keys() - _FIELDS
         if unknown:
             raise TypeError(f"Record has no field(s) {sorted(unknown)}")
@@ -156,7 +174,11 @@ class Record:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Record:
-        d = pydantic_core.from_json(text, allow_inf_nan=True)
+        return cls.from_doc(pydantic_core.from_json(text, allow_inf_nan=True))
+
+    @classmethod
+    def from_doc(cls, d: dict[str, Any]) -> Record:
+        """The record a decoded `to_json` document describes."""
         owner = d["owner"]
         return cls(
             key=d["key"],
@@ -179,6 +201,82 @@ class Record:
 
 
 _FIELDS = tuple(f.name for f in fields(Record))
+
+
+def _appended(history: tuple[Event, ...], event: Event) -> tuple[Event, ...]:
+    history = (*history, event)
+    if len(history) > HISTORY_LIMIT:
+        history = history[:1] + history[-(HISTORY_LIMIT - 1) :]
+    return history
+
+
+_STATUS = {status.value: status for status in Status}
+
+
+class Peek:
+    """A light view of a stored record: what a replay needs, the rest decoded on demand.
+
+    `CacheBackend.peek` returns one so that a replay reads the row without the write
+    lock and without building the record and its history; `record()` builds the full
+    `Record` only when someone asks (a listener, `Outcome.record`, a slow path).
+    """
+
+    __slots__ = ("_doc", "_record", "expires_at", "fingerprint", "result", "status")
+
+    def __init__(
+        self,
+        status: Status,
+        fingerprint: str,
+        expires_at: float | None,
+        result: Any,
+        *,
+        doc: dict[str, Any] | None = None,
+        record: Record | None = None,
+    ) -> None:
+        if (doc is None) == (record is None):
+            raise TypeError("a Peek needs exactly one of doc= or record=")
+        self.status = status
+        self.fingerprint = fingerprint
+        self.expires_at = expires_at
+        self.result = result  # encoded, as in Record.result
+        self._doc = doc
+        self._record = record
+
+    @classmethod
+    def of(cls, record: Record) -> Peek:
+        """A view of a record already in hand (the default `CacheBackend.peek`)."""
+        return cls(
+            record.status, record.fingerprint, record.expires_at, record.result, record=record
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Peek:
+        """A view of a `Record.to_json` document: one parse, no Record, no history."""
+        d = pydantic_core.from_json(text, allow_inf_nan=True)
+        return cls(_STATUS[d["status"]], d["fingerprint"], d["expires_at"], d["result"], doc=d)
+
+    def replayable(self, fingerprint: str, now: float) -> bool:
+        """A committed, unexpired receipt for these arguments: replay it as it is."""
+        return (
+            self.status is Status.COMMITTED
+            and self.fingerprint == fingerprint
+            and (self.expires_at is None or self.expires_at > now)
+        )
+
+    def record(self) -> Record:
+        record = self._record
+        if record is None:
+            assert self._doc is not None
+            try:
+                record = self._record = Record.from_doc(self._doc)
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                from ._errors import LedgerUnavailable
+
+                raise LedgerUnavailable(f"the ledger holds a corrupt record: {exc!r}") from exc
+        return record
+
+    def __repr__(self) -> str:
+        return f"Peek({self.status.value}, fingerprint={self.fingerprint!r})"
 
 
 def _printable(value: Any) -> Any:

@@ -30,7 +30,7 @@ from . import _fork
 from ._backend import CacheBackend
 from ._errors import LedgerUnavailable
 from ._paths import check_existing_file, private_file
-from ._record import Record, Status
+from ._record import Peek, Record, Status
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")
@@ -120,6 +120,8 @@ class SQLiteCacheBackend(CacheBackend):
     backend is open. Safe across fork(): see the module docstring.
     """
 
+    read_first = True  # a read is local and cheap: replays peek before claiming
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -129,9 +131,15 @@ class SQLiteCacheBackend(CacheBackend):
         allow_insecure_path: bool = False,
     ) -> None:
         synchronous = synchronous.upper()
-        if synchronous not in ("FULL", "NORMAL", "EXTRA"):
-            raise ValueError(f"synchronous must be FULL, NORMAL or EXTRA, not {synchronous!r}")
+        if synchronous not in ("FULL", "NORMAL", "EXTRA", "CLAIMS"):
+            raise ValueError(
+                f"synchronous must be FULL, NORMAL, EXTRA or CLAIMS, not {synchronous!r}"
+            )
         self.synchronous = synchronous
+        # CLAIMS: writes that let a body start (a claim, a takeover) go through a FULL
+        # connection and are synced before they return; every other write goes through a
+        # NORMAL one and rides the next claim's sync (docs/backends.md, "Durability").
+        self._lazy = synchronous == "CLAIMS"
         self.busy_timeout_s = busy_timeout_s
         self.allow_insecure_path = allow_insecure_path
         self.path, st = private_file(Path(path), allow_insecure_path)
@@ -212,6 +220,18 @@ class SQLiteCacheBackend(CacheBackend):
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is not None:
             return conn
+        return self._connect("conn", "NORMAL" if self._lazy else self.synchronous)
+
+    def _claim_conn(self) -> sqlite3.Connection:
+        """The connection for writes that let a body start: synced before they return."""
+        if not self._lazy:
+            return self._conn()
+        conn: sqlite3.Connection | None = getattr(self._local, "claim_conn", None)
+        if conn is not None:
+            return conn
+        return self._connect("claim_conn", "FULL")
+
+    def _connect(self, slot: str, synchronous: str) -> sqlite3.Connection:
         if self._closed:
             raise LedgerUnavailable(f"{self!r} is closed")
         why = _tainted.get(self._identity)
@@ -219,8 +239,8 @@ class SQLiteCacheBackend(CacheBackend):
             why = _inherited_without_hook(self._identity)
         if why is not None:
             raise LedgerUnavailable(self._refusal_message(why))
-        conn = self._open()
-        self._local.conn = conn
+        conn = self._open(synchronous)
+        setattr(self._local, slot, conn)
         with self._lock:
             self._connections.append(conn)
         return conn
@@ -231,7 +251,9 @@ class SQLiteCacheBackend(CacheBackend):
                 Path(f"{self.path}{suffix}"), f"ledger {suffix[1:]} file", self.allow_insecure_path
             )
 
-    def _open(self) -> sqlite3.Connection:
+    def _open(self, synchronous: str | None = None) -> sqlite3.Connection:
+        if synchronous is None:
+            synchronous = "NORMAL" if self._lazy else self.synchronous
         self._check_sidecars()
         conn = sqlite3.connect(
             self._uri,
@@ -243,7 +265,7 @@ class SQLiteCacheBackend(CacheBackend):
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
             self._retry_busy(self._use_wal, conn)
-            conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+            conn.execute(f"PRAGMA synchronous = {synchronous}")
             self._retry_busy(self._migrate, conn)
             # SQLite opened (or created) the -wal and -shm by now: one planted by another
             # user between the check above and the open is caught here.
@@ -306,13 +328,21 @@ class SQLiteCacheBackend(CacheBackend):
         """Run `fn(connection, *args)` as one operation: inside the fork gate, on this
         thread's connection, after checking the file is still the one opened. SQLite's
         failures become a LedgerUnavailable that names the cause."""
+        return self._on(self._conn, fn, args)
+
+    def _on(
+        self,
+        connection: Callable[[], sqlite3.Connection],
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+    ) -> T:
         gate = self._gate
         gate.enter()
         try:
             if self._pid != os.getpid():
                 self._forked_without_hook()
             self._check_identity()
-            return fn(self._conn(), *args)
+            return fn(connection(), *args)
         except LedgerUnavailable:
             raise
         except (sqlite3.Error, OSError) as exc:
@@ -373,7 +403,9 @@ class SQLiteCacheBackend(CacheBackend):
             record.key, record.status.value, record.token, record.revision,
             record.updated_at, record.to_json(),
         )  # fmt: skip
-        doc = self._guard(_insert, params)
+        # Every insert is synced: a claim lets a body start, and the rare other one (a
+        # fenced record whose key was purged meanwhile) must not vanish either.
+        doc = self._on(self._claim_conn, _insert, (params,))
         return None if doc is None else self._decode(doc)
 
     def replace(self, current: Record, new: Record) -> bool:
@@ -381,11 +413,27 @@ class SQLiteCacheBackend(CacheBackend):
             new.status.value, new.token, new.revision, new.updated_at, new.to_json(),
             current.key, current.token, current.revision,
         )  # fmt: skip
-        return self._guard(_changed, _REPLACE, params)
+        # A takeover (PENDING under a new token) lets a body start: synced. A commit, a
+        # failure, a lease renewal, a reconciliation may be lost to a power cut: the record
+        # then falls back to the last synced state, which never lets a body run again.
+        takeover = new.status is Status.PENDING and new.token != current.token
+        return self._on(self._claim_conn if takeover else self._conn, _changed, (_REPLACE, params))
 
     def get(self, key: str) -> Record | None:
         doc = self._guard(_fetch_doc, key)
         return None if doc is None else self._decode(doc)
+
+    def peek(self, key: str) -> Peek | None:
+        # A plain SELECT: a read transaction on the WAL, never the write lock.
+        doc = self._guard(_fetch_doc, key)
+        if doc is None:
+            return None
+        try:
+            return Peek.from_json(doc)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LedgerUnavailable(
+                f"the ledger file is corrupt: {self.path}: bad record {exc!r}"
+            ) from exc
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         params: tuple[str, ...] = ()

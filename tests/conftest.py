@@ -59,6 +59,12 @@ def backend_factory(
             f"sqlite:///{path}?synchronous=NORMAL",
             lambda: SQLiteCacheBackend(path, synchronous="NORMAL"),
         )
+    if kind == "sqlite-claims":  # synchronous=CLAIMS: claims synced, commits lazily
+        path = tmp_path / "ledger.db"
+        return BackendFactory(
+            f"sqlite:///{path}?synchronous=CLAIMS",
+            lambda: SQLiteCacheBackend(path, synchronous="CLAIMS"),
+        )
     if kind == "filelock":
         folder = tmp_path / "ledger"
         return BackendFactory(f"file://{folder}", lambda: FileLockCacheBackend(folder))

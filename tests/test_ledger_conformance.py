@@ -32,6 +32,16 @@ from crewai_idempotent import (
     fingerprint,
 )
 from crewai_idempotent._record import Event
+from tests.conftest import ALL_BACKENDS
+
+# Every backend of conftest, plus SQLite in synchronous=CLAIMS (two connections per
+# thread: claims on a FULL one, the rest on a NORMAL one) unless a run picks its own.
+CONFORMANCE = ALL_BACKENDS if "sqlite" not in ALL_BACKENDS else [*ALL_BACKENDS, "sqlite-claims"]
+
+
+@pytest.fixture(params=CONFORMANCE)
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 class Receipt(pydantic.BaseModel):

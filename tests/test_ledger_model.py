@@ -49,6 +49,12 @@ class ClockedSQLite(ClockMixin, SQLiteCacheBackend):
     pass
 
 
+class ClaimFirstMemory(ClockedMemory):
+    """The path server stores take: claim first, no peek (one round trip)."""
+
+    read_first = False
+
+
 @dataclass
 class Expected:
     status: Status
@@ -70,7 +76,7 @@ class GuardMachine(RuleBasedStateMachine):
             self.folder = tempfile.TemporaryDirectory()
             self.backend: Any = ClockedSQLite(f"{self.folder.name}/ledger.db")
         else:
-            self.backend = ClockedMemory()
+            self.backend = self.backend_type()
         self.backend.clock = 1_000_000.0
         self.ledger = Ledger(self.backend, wait_s=0.0, lease_s=LEASE_S)
         self.model: dict[str, Expected] = {}
@@ -246,9 +252,18 @@ class SQLiteGuardMachine(GuardMachine):
     backend_type = ClockedSQLite
 
 
+class ClaimFirstGuardMachine(GuardMachine):
+    backend_type = ClaimFirstMemory
+
+
 TestGuardInMemory = GuardMachine.TestCase
 TestGuardInMemory.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)  # fmt: skip
+TestGuardClaimFirst = ClaimFirstGuardMachine.TestCase
+TestGuardClaimFirst.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
 TestGuardSQLite = SQLiteGuardMachine.TestCase

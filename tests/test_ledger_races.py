@@ -18,7 +18,7 @@ import pytest
 from crewai_idempotent import Ledger, backend_from_url
 
 # The server backends race 16 processes in tests/test_{postgres,redis}_race.py.
-LOCAL_DURABLE_BACKENDS = ["sqlite", "sqlite-normal", "filelock"]
+LOCAL_DURABLE_BACKENDS = ["sqlite", "sqlite-normal", "sqlite-claims", "filelock"]
 
 ROUNDS = int(os.environ.get("CREWAI_IDEMPOTENT_RACE_ROUNDS", "100"))
 PROCESSES = 8

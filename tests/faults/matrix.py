@@ -42,6 +42,9 @@ from tests.faults.worker import POINTS, Spec
 # Ledgers on local files; server backends pass their own URLs to `assert_cell`.
 LOCAL_URLS: dict[str, Callable[[Path], str]] = {
     "sqlite": lambda folder: f"sqlite:///{folder.absolute() / 'ledger.db'}",
+    "sqlite-claims": lambda folder: (
+        f"sqlite:///{folder.absolute() / 'ledger.db'}?synchronous=CLAIMS"
+    ),
     "filelock": lambda folder: f"file://{folder.absolute() / 'ledger'}",
 }
 
