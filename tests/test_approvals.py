@@ -7,6 +7,7 @@ real processes (fork, SIGKILL).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -387,3 +388,42 @@ def test_async_waiting_polls_without_blocking_the_loop(
 
     receipt = asyncio.run(main())
     assert provider.receipts("inv-async") == [receipt]
+
+
+def test_cli_decides_and_reports_errors_clearly(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from crewai_idempotent import SQLiteCacheBackend
+    from crewai_idempotent.cli import main as cli
+
+    path = tmp_path / "ledger.db"
+    backend = SQLiteCacheBackend(path)
+    provider = Provider.create(tmp_path / "effects")
+    ledger = Ledger(backend)
+    with pytest.raises(ApprovalRequired) as asked:
+        _pay(ledger, provider, "inv-cli", 70_000)
+    rid = asked.value.request_id
+    url = f"sqlite:///{path}"
+
+    def invoke(*args: str) -> Any:
+        return CliRunner().invoke(cli, ["--ledger", url, *args], catch_exceptions=False)
+
+    listed = invoke("approvals", "ls", "--json")
+    assert listed.exit_code == 0 and [r["id"] for r in json.loads(listed.output)] == [rid]
+    missing_reason = invoke("approvals", "deny", rid)
+    assert missing_reason.exit_code == 2 and "--reason" in missing_reason.output
+    denied = invoke("approvals", "deny", rid, "--reason", "not ours", "--by", "cfo")
+    assert denied.exit_code == 0 and "DENIED by cfo" in denied.output
+    again = invoke("approvals", "approve", rid)
+    assert again.exit_code == 1 and "is DENIED (by cfo)" in again.output
+    unknown = invoke("approvals", "show", "ap_" + "f" * 20)
+    assert unknown.exit_code == 1 and "no approval request" in unknown.output
+    malformed = invoke("approvals", "approve", "42")
+    assert malformed.exit_code == 1 and "not an approval request id" in malformed.output
+    bad_ttl = invoke("approvals", "approve", rid, "--ttl", "0")
+    assert bad_ttl.exit_code == 2
+    with pytest.raises(ApprovalDenied):
+        _pay(ledger, provider, "inv-cli", 70_000)
+    assert provider.effects() == []
+    spent = invoke("spend", "--json")
+    assert spent.exit_code == 0 and json.loads(spent.output) == []
