@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from .. import _approvals, _gating
 from .._errors import ApprovalDenied, ApprovalRequired, SpendCapExceeded
 from .._spend import Money, SpendCap, Where
+from . import _config
 
 if TYPE_CHECKING:
     from ._config import IdempotencyConfig, ToolOptions
@@ -170,9 +171,18 @@ def plan(
 ) -> Gates | None:
     """The gates of one call, or None when it has none. A rule that cannot be evaluated
     refuses the call (TypeError): nothing was run."""
-    from ._config import _process_config
-
-    levels = [c for c in (crew_config, _process_config) if c is not None]
+    process_config = _config._process_config
+    if (
+        options.approval is None
+        and options.spend is None
+        and (crew_config is None or (crew_config.approval is None and crew_config.spend is None))
+        and (
+            process_config is None
+            or (process_config.approval is None and process_config.spend is None)
+        )
+    ):
+        return None  # the common case, on every guarded call: no gate anywhere
+    levels = [c for c in (crew_config, process_config) if c is not None]
     approval = options.approval
     if approval is None:
         approval = _by_tool("approval", tool_name, levels)
