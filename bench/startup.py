@@ -1,16 +1,23 @@
-"""What the activation hook adds to interpreter start-up, measured in fresh interpreters.
+"""What activation costs, measured in fresh interpreters.
 
-    python bench/startup.py [--runs 60]
+    python bench/startup.py [--runs 60] [--import-runs 15]
 
-Prints the median wall time of `python -c pass` (the baseline, with the hook installed)
-and the median time the `.pth` line itself takes when a fresh interpreter executes it
-(importing the hook module and adding its finder): that line is all the package adds to
-start-up. Target: under 5 ms.
+1. The median wall time of `python -c pass` (the baseline, with the hook installed) and
+   the median time the `.pth` line itself takes when a fresh interpreter executes it
+   (importing the hook module and adding its finder): that line is all the package adds
+   to interpreter start-up. Target: under 5 ms.
+2. `import crewai` with the integration activated on import against the same with
+   `CREWAI_IDEMPOTENT_AUTOLOAD=0`, fresh interpreters alternating, medians: what
+   activation adds to importing crewai. Target: under 10 ms.
+3. A call of an unflagged class tool (`tool.run(...)`) with the integration installed
+   against the same call without it, each in its own interpreter (best of several
+   rounds of many calls, per call). Target: under 1 us extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -30,9 +37,72 @@ print(time.perf_counter() - start)
 """
 
 
+IMPORT_PROBE = """
+import time
+start = time.perf_counter()
+import crewai
+print(time.perf_counter() - start)
+"""
+
+CALL_PROBE = """
+import time
+from crewai.tools import BaseTool
+
+class Lookup(BaseTool):
+    name: str = "lookup"
+    description: str = "Look a thing up."
+
+    def _run(self, q: str) -> str:
+        return q
+
+tool = Lookup()
+run = tool.run
+calls = 20_000
+best = float("inf")
+for _ in range(15):
+    start = time.perf_counter()
+    for _ in range(calls):
+        run(q="x")
+    best = min(best, (time.perf_counter() - start) / calls)
+import sys
+print(best, "crewai_idempotent.integration" in sys.modules)
+"""
+
+
+def _probe(code: str, autoload: bool) -> list[str]:
+    env = dict(os.environ, CREWAI_IDEMPOTENT_AUTOLOAD="1" if autoload else "0")
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
+    )
+    return out.stdout.split()
+
+
+def activation(runs: int) -> tuple[float, float, float, float]:
+    """Median `import crewai` (ms) on and off; best unflagged tool call (us) on and off."""
+    on, off = [], []
+    for _ in range(runs):  # alternate, so a busy neighbour hurts both alike
+        on.append(float(_probe(IMPORT_PROBE, True)[0]))
+        off.append(float(_probe(IMPORT_PROBE, False)[0]))
+    call_on, call_off = [], []
+    for _ in range(3):
+        value, active = _probe(CALL_PROBE, True)
+        assert active == "True", "the integration did not activate"
+        call_on.append(float(value))
+        value, active = _probe(CALL_PROBE, False)
+        assert active == "False", "the integration activated with autoload off"
+        call_off.append(float(value))
+    return (
+        statistics.median(on) * 1000,
+        statistics.median(off) * 1000,
+        min(call_on) * 1e6,
+        min(call_off) * 1e6,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=60)
+    parser.add_argument("--import-runs", type=int, default=15)
     args = parser.parse_args()
     pth = Path(sysconfig.get_paths()["purelib"]) / "crewai_idempotent_autoload.pth"
     if not pth.exists():
@@ -57,6 +127,13 @@ def main() -> int:
         f"hook / start-up: {hook_ms / base_ms:.1%}; target < 5 ms:",
         "met" if hook_ms < 5 else "NOT met",
     )
+    on_ms, off_ms, call_on, call_off = activation(args.import_runs)
+    print(f"import crewai, activated / autoload off, median of {args.import_runs}: "
+          f"{on_ms:.1f} / {off_ms:.1f} ms: +{on_ms - off_ms:.1f} ms; target < 10 ms:",
+          "met" if on_ms - off_ms < 10 else "NOT met")  # fmt: skip
+    print(f"unflagged tool.run(), installed / not, best per call: {call_on:.2f} / "
+          f"{call_off:.2f} us: {call_on - call_off:+.2f} us; target < 1 us:",
+          "met" if call_on - call_off < 1 else "NOT met")  # fmt: skip
     return 0
 
 
