@@ -297,14 +297,25 @@ def observe(tool: str, key: str, backend: Any) -> Observer:
 
 def outcome_of(error: BaseException) -> str:
     """The span outcome of a call that raised `error`."""
-    from ._errors import IdempotencyKeyConflict, OperationInProgress, OutcomeUncertain
+    from ._errors import (
+        ApprovalDenied,
+        ApprovalRequired,
+        BodyFailed,
+        IdempotencyKeyConflict,
+        OperationInProgress,
+        OutcomeUncertain,
+        SpendCapExceeded,
+    )
 
-    declared = getattr(error, "idempotency_outcome", None)  # e.g. an approval gate's error
+    cause = error.__cause__ if isinstance(error, BodyFailed) else error
+    declared = getattr(cause, "idempotency_outcome", None)
     if declared in OUTCOMES:
         return str(declared)
+    if isinstance(cause, ApprovalRequired | ApprovalDenied | SpendCapExceeded):
+        return "approval"  # a gate stopped the call before its body
     if isinstance(error, IdempotencyKeyConflict | OperationInProgress):
         return "conflict"
-    if isinstance(error, OutcomeUncertain) or type(error).__name__ == "Halt":
+    if isinstance(error, OutcomeUncertain):
         return "uncertain"
     return "claim"
 

@@ -299,3 +299,25 @@ def test_async_tools_are_observed_too(otel: Telemetry, charges: FakeProvider) ->
     asyncio.run(twice())
     assert charges.count() == 1
     assert [s.name for s in otel.finished()] == ["idempotency.claim", "idempotency.replay"]
+
+
+def test_a_gate_that_stops_the_call_is_an_approval_span(
+    otel: Telemetry, charges: FakeProvider
+) -> None:
+    from crewai.tools import tool
+
+    from crewai_idempotent import ApprovalRequired
+
+    configure(backend=InMemoryCacheBackend())
+
+    @tool("pay_invoice", idempotent=True, approval=True)
+    def pay_invoice(amount: int) -> str:
+        """Pay."""
+        return charges.charge(amount, "bob")
+
+    with pytest.raises(ApprovalRequired):
+        pay_invoice.run(amount=9)
+    assert charges.count() == 0
+    (span,) = otel.finished()
+    assert span.name == "idempotency.approval"
+    assert dict(span.attributes)["idempotency.outcome"] == "approval"
