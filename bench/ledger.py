@@ -329,30 +329,33 @@ def _fill_filelock(folder: Path, records: int) -> None:
     backend.close()
 
 
-def _scale_child(kind: str, where: str, cycles: int, rounds: int, queue: Any) -> None:
-    backend = SQLiteCacheBackend(where) if kind == "sqlite" else FileLockCacheBackend(where)
+def _scale_child(kind: str, where: str, mode: str, cycles: int, queue: Any) -> None:
+    if kind == "sqlite":
+        backend: Any = SQLiteCacheBackend(where, synchronous=mode)
+    else:
+        backend = FileLockCacheBackend(where)
     ledger = Ledger(backend)
     tag = hashlib.sha256(os.urandom(8)).hexdigest()[:8]
-    rates = []
-    for round_ in range(rounds):
-        keys = [f"scale:{tag}:{round_}:{i}" for i in range(cycles)]
-        rates.append(_rate(lambda key: ledger.run(key, _receipt), keys))
-        _rate(lambda key: ledger.run(key, _receipt), keys)  # replays touch the records too
-    queue.put((statistics.median(rates), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    keys = [f"scale:{tag}:{i}" for i in range(cycles)]
+    began = time.process_time()
+    rate = _rate(lambda key: ledger.run(key, _receipt), keys)
+    cpu_us = (time.process_time() - began) / cycles * 1e6
+    _rate(lambda key: ledger.run(key, _receipt), keys)  # replays touch the records too
+    queue.put((rate, cpu_us, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 
 
-def _scale_once(kind: str, where: Path, cycles: int, rounds: int) -> tuple[float, float]:
+def _scale_once(kind: str, where: Path, mode: str, cycles: int) -> tuple[float, float, float]:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    child = context.Process(target=_scale_child, args=(kind, str(where), cycles, rounds, queue))
+    child = context.Process(target=_scale_child, args=(kind, str(where), mode, cycles, queue))
     child.start()
-    rate, rss_kib = queue.get()
+    rate, cpu_us, rss_kib = queue.get()
     child.join()
-    return rate, rss_kib / 1024
+    return rate, cpu_us, rss_kib / 1024
 
 
 def bench_scale(
-    kind: str, small: int, large: int, cycles: int, rounds: int, folder: Path
+    kind: str, small: int, large: int, cycles: int, rounds: int, folder: Path, mode: str = "FULL"
 ) -> dict[str, float]:
     """Cycles/s and peak RSS of a fresh process working on a ledger of `small` and of
     `large` records; the two measurements alternate (each in its own process)."""
@@ -365,21 +368,26 @@ def bench_scale(
         else:
             _fill_filelock(path, size)
     rates: dict[int, list[float]] = {small: [], large: []}
+    cpu: dict[int, list[float]] = {small: [], large: []}
     rss: dict[int, list[float]] = {small: [], large: []}
     for _ in range(rounds):
         for size in (small, large):
-            rate, mib = _scale_once(kind, where[size], cycles, 1)
+            rate, cpu_us, mib = _scale_once(kind, where[size], mode, cycles)
             rates[size].append(rate)
+            cpu[size].append(cpu_us)
             rss[size].append(mib)
     result = {
         "small": small,
         "large": large,
         "cycles_small": statistics.median(rates[small]),
         "cycles_large": statistics.median(rates[large]),
+        "cpu_us_small": statistics.median(cpu[small]),
+        "cpu_us_large": statistics.median(cpu[large]),
         "rss_mib_small": max(rss[small]),
         "rss_mib_large": max(rss[large]),
     }
     result["flatness"] = result["cycles_large"] / result["cycles_small"]
+    result["cpu_flatness"] = result["cpu_us_small"] / result["cpu_us_large"]
     result["rss_mib_per_100k"] = (result["rss_mib_large"] - result["rss_mib_small"]) / (
         (large - small) / 100_000
     )
@@ -459,15 +467,19 @@ def main() -> int:
                       f"{c['processes_ratio']:.2f}")  # fmt: skip
 
         if "scale" not in skip:
-            per = max(cycles // 4, 200)
-            print(f"\nscale, {per} cycles per fresh process, cycles/s and peak RSS:")
-            for kind, large in (("sqlite", scale), ("filelock", filelock_scale)):
-                s = bench_scale(kind, 10_000, large, per, rounds, folder)
-                figures[f"scale-{kind}"] = s
-                print(f"  {kind:<9}@10k {s['cycles_small']:>7.0f}/s {s['rss_mib_small']:.1f} MiB;"
-                      f"  @{large // 1000}k {s['cycles_large']:>7.0f}/s "
-                      f"{s['rss_mib_large']:.1f} MiB;  ratio {s['flatness']:.2f};  "
-                      f"RSS {s['rss_mib_per_100k']:+.2f} MiB per 100k records")  # fmt: skip
+            per = max(cycles // 2, 200)
+            print(f"\nscale, {per} cycles per fresh process, cycles/s (CPU us/cycle), peak RSS:")
+            cases = (("sqlite", scale, "FULL"), ("sqlite", scale, "NORMAL"),
+                     ("filelock", filelock_scale, ""))  # fmt: skip
+            for kind, large, mode in cases:
+                s = bench_scale(kind, 10_000, large, per, rounds, folder, mode or "FULL")
+                name = f"{kind}-{mode}" if mode else kind
+                figures[f"scale-{name}"] = s
+                print(f"  {name:<14}@10k {s['cycles_small']:>6.0f}/s ({s['cpu_us_small']:.0f}) "
+                      f"{s['rss_mib_small']:.1f} MiB; @{large // 1000}k {s['cycles_large']:>6.0f}/s"
+                      f" ({s['cpu_us_large']:.0f}) {s['rss_mib_large']:.1f} MiB; ratio "
+                      f"{s['flatness']:.2f} (CPU {s['cpu_flatness']:.2f}); RSS "
+                      f"{s['rss_mib_per_100k']:+.2f} MiB per 100k records")  # fmt: skip
 
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2))
