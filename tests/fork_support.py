@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -61,6 +62,17 @@ def duplicates(provider: Provider) -> dict[str, int]:
     """Keys the provider charged more than once, with their counts."""
     counts = collections.Counter(effect["key"] for effect in provider.effects())
     return {key: n for key, n in counts.items() if n > 1}
+
+
+def assert_sound(kind: str, tmp_path: Path, provider: Provider) -> None:
+    """No key charged twice, and an SQLite ledger that SQLite itself finds intact."""
+    assert duplicates(provider) == {}
+    if kind.startswith("sqlite"):
+        conn = sqlite3.connect(tmp_path / "ledger.db")
+        try:
+            assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        finally:
+            conn.close()
 
 
 def run_scenario(

@@ -4,17 +4,13 @@ What Celery's prefork pool, `gunicorn --preload` and multiprocessing's `fork` st
 do to a ledger: a parent that already used it forks workers, then closes it or exits. The
 child uses either the ledger object it inherited or a new one on the same file. Every
 effect is counted at a fake provider: no key may be charged twice, and SQLite's
-`integrity_check` must stay ok. The scenarios live in tests/fork_support.py, shared with
-the server backends.
+`integrity_check` must stay ok. The scenarios every backend shares run in
+tests/test_fork_scenarios.py; what is here is particular to SQLite and the file lock.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,25 +18,10 @@ from typing import Any
 
 import pytest
 
-from crewai_idempotent import (
-    Ledger,
-    LedgerUnavailable,
-    OutcomeUncertain,
-    SQLiteCacheBackend,
-    backend_from_url,
-)
+from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend
 from tests.conftest import backend_factory
 from tests.faults.provider import Provider
-from tests.fork_support import (
-    ROOT,
-    charge_keys,
-    duplicates,
-    inspect_until,
-    killed_on_exit,
-    run_scenario,
-    stale_within,
-    wait_for,
-)
+from tests.fork_support import assert_sound, run_scenario
 from tests.unprivileged import in_child
 
 LOCAL = ["sqlite", "sqlite-normal", "filelock"]
@@ -59,122 +40,6 @@ def url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def provider(tmp_path: Path) -> Provider:
     return Provider.create(tmp_path / "effects.jsonl")
-
-
-def assert_sound(kind: str, tmp_path: Path, provider: Provider) -> None:
-    """No key charged twice, and an SQLite ledger that SQLite itself finds intact."""
-    assert duplicates(provider) == {}
-    if kind.startswith("sqlite"):
-        conn = sqlite3.connect(tmp_path / "ledger.db")
-        try:
-            assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-        finally:
-            conn.close()
-
-
-def replay_all(url: str, provider: Provider, keys: list[str]) -> dict[str, Any]:
-    """Charge `keys` again from a ledger opened afresh: every one must be a replay."""
-    ledger = Ledger(backend_from_url(url))
-    try:
-        return charge_keys(ledger, provider, keys)
-    finally:
-        ledger.close()
-
-
-@pytest.mark.parametrize("child", ["inherited", "new"])
-def test_parent_and_forked_child_charge_the_same_keys(
-    kind: str, url: str, tmp_path: Path, provider: Provider, child: str
-) -> None:
-    report = run_scenario("concurrent", url, tmp_path, child=child, keys=80)
-    assert report["child_exit"] == 0, report["child"]
-    parent, forked = report["parent"], report["child"]["value"]
-    assert parent["errors"] == [] and forked["errors"] == []
-    assert parent["ran"] + forked["ran"] == 80
-    assert parent["replayed"] + forked["replayed"] == 80
-    keys = [f"both-{i:03d}" for i in range(80)]
-    assert replay_all(url, provider, keys) == {"ran": 0, "replayed": 80, "errors": []}
-    assert len(provider.effects()) == 81  # the parent's warm-up key, then each key once
-    assert_sound(kind, tmp_path, provider)
-
-
-@pytest.mark.parametrize("child", ["inherited", "new"])
-def test_parent_closes_while_its_forked_worker_runs(
-    kind: str, url: str, tmp_path: Path, provider: Provider, child: str
-) -> None:
-    keys = [f"child-{i:03d}" for i in range(120)]
-    report = run_scenario("parent_closes", url, tmp_path, child=child, keys=len(keys))
-    assert report["child_exit"] == 0, report["child"]
-    assert report["child"]["value"] == {"ran": len(keys), "replayed": 0, "errors": []}
-    # What the worker committed is in the one ledger everybody shares.
-    assert replay_all(url, provider, keys) == {"ran": 0, "replayed": len(keys), "errors": []}
-    assert len(provider.effects()) == 1 + len(keys)
-    assert_sound(kind, tmp_path, provider)
-
-
-@pytest.mark.parametrize("child", ["inherited", "new"])
-def test_parent_exits_while_its_forked_worker_runs(
-    kind: str, url: str, tmp_path: Path, provider: Provider, child: str
-) -> None:
-    keys = [f"child-{i:03d}" for i in range(120)]
-    report = run_scenario("parent_exits", url, tmp_path, child=child, keys=len(keys))
-    child_report = Path(report["report"])
-    with killed_on_exit(report["child_pid"]):
-        inspect_until(url, child_report.exists)  # others open and close it meanwhile
-        result = wait_for(child_report, timeout=120)
-    assert result.get("value") == {"ran": len(keys), "replayed": 0, "errors": []}, result
-    assert replay_all(url, provider, keys) == {"ran": 0, "replayed": len(keys), "errors": []}
-    assert len(provider.effects()) == 1 + len(keys)
-    assert_sound(kind, tmp_path, provider)
-
-
-def test_fork_pool_and_fresh_processes_share_150_keys(
-    kind: str, url: str, tmp_path: Path, provider: Provider
-) -> None:
-    report = run_scenario("pool", url, tmp_path, keys=150)
-    tallies = [*report["pool"], *report["fresh"]]
-    assert [t["errors"] for t in tallies] == [[]] * 6
-    assert sum(t["ran"] for t in tallies) == 150
-    assert all(t["ran"] + t["replayed"] == 150 for t in tallies)
-    keys = [f"shared-{i:03d}" for i in range(150)]
-    assert replay_all(url, provider, keys) == {"ran": 0, "replayed": 150, "errors": []}
-    assert len(provider.effects()) == 151  # warm-up, then every shared key once
-    assert_sound(kind, tmp_path, provider)
-
-
-@pytest.mark.parametrize("child", ["inherited", "new"])
-def test_owner_killed_after_forking_goes_stale(
-    kind: str, url: str, tmp_path: Path, provider: Provider, child: str
-) -> None:
-    """The owner of a running claim forks a worker (which claims a key of its own) and is
-    then SIGKILLed: the worker must not keep the dead owner's lease alive."""
-    lease_s = 1.5
-    owner = _start_owner(url, tmp_path, child, lease_s)
-    marker = wait_for(tmp_path / "owner.json", timeout=60)
-    with killed_on_exit(owner.pid, marker["child"]):
-        os.kill(marker["owner"], signal.SIGKILL)
-        killed_at = time.monotonic()
-        owner.wait(timeout=30)
-        stale, record = stale_within(url, "held", 2 * lease_s)
-        assert stale, f"the dead owner's claim was still live {2 * lease_s} s later: {record}"
-        assert time.monotonic() - killed_at <= 2 * lease_s + 1.0
-        retry = Ledger(backend_from_url(url))
-        with pytest.raises(OutcomeUncertain):
-            retry.run("held", lambda: provider.charge("held"))
-        retry.close()
-        # The worker's own claim is unaffected: it finishes and commits once.
-        result = wait_for(tmp_path / "child.json", timeout=30)
-    assert result.get("value", "").startswith("ch_"), result
-    assert [e["key"] for e in provider.effects()] == ["child-own"]
-    assert_sound(kind, tmp_path, provider)
-
-
-def _start_owner(url: str, tmp_path: Path, child: str, lease_s: float) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "tests.fork_support", "owner_killed", "--url", url,
-            "--dir", str(tmp_path), "--child", child, "--lease-s", str(lease_s)]  # fmt: skip
-    return subprocess.Popen(
-        argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
 
 
 # -- refusals: where the only safe answer is no ------------------------------------------------

@@ -1,20 +1,20 @@
 """fork() with the server backends (PostgreSQL, Redis): real processes, effects counted at a
 fake provider.
 
-The scenarios are the local backends' (tests/fork_support.py): a parent that used the
-ledger forks a worker that uses the inherited object or a new one, the parent closes or
-exits while the worker runs, and a fork pool of 4 plus 2 fresh processes share 150 keys.
-On top of those, what is particular to a server connection: a child must never use or
-close the parent's connections (closing one sends Terminate on the parent's socket, and
-a watchdog that cuts a late connection must not cut one the parent is using), and a
-child must not hang on the pool's worker threads, which it does not have.
+The scenarios are the local backends' (tests/fork_support.py, run for every backend in
+tests/test_fork_scenarios.py): a parent that used the ledger forks a worker that uses the
+inherited object or a new one, the parent closes or exits while the worker runs, and a
+fork pool of 4 plus 2 fresh processes share 150 keys. Here is what is particular to a
+server connection: a child must never use or close the parent's connections (closing one
+sends Terminate on the parent's socket, and a watchdog that cuts a late connection must
+not cut one the parent is using), and a child must not hang on the pool's worker
+threads, which it does not have.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -25,18 +25,9 @@ from typing import Any
 
 import pytest
 
-from crewai_idempotent import Ledger, OutcomeUncertain, backend_from_url
+from crewai_idempotent import Ledger, backend_from_url
 from tests.faults.provider import Provider
-from tests.fork_support import (
-    ROOT,
-    charge_keys,
-    duplicates,
-    inspect_until,
-    killed_on_exit,
-    run_scenario,
-    stale_within,
-    wait_for,
-)
+from tests.fork_support import ROOT, duplicates
 
 SERVERS = ["postgres", "redis"]
 
@@ -47,113 +38,8 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def url(kind: str, request: pytest.FixtureRequest) -> str:
-    server: Any = request.getfixturevalue(f"{kind}_server")
-    return str(server.fresh_url())
-
-
-@pytest.fixture
 def provider(tmp_path: Path) -> Provider:
     return Provider.create(tmp_path / "effects.jsonl")
-
-
-def replay_all(url: str, provider: Provider, keys: list[str]) -> dict[str, Any]:
-    ledger = Ledger(backend_from_url(url))
-    try:
-        return charge_keys(ledger, provider, keys)  # type: ignore[no-any-return]
-    finally:
-        ledger.close()
-
-
-@pytest.mark.parametrize("child", ["inherited", "new"])
-def test_parent_and_forked_child_charge_the_same_keys(
-    url: str, tmp_path: Path, provider: Provider, child: str
-) -> None:
-    report = run_scenario("concurrent", url, tmp_path, child=child, keys=80)
-    assert report["child_exit"] == 0, report["child"]
-    parent, forked = report["parent"], report["child"]["value"]
-    assert parent["errors"] == [] and forked["errors"] == []
-    assert parent["ran"] + forked["ran"] == 80
-    assert parent["replayed"] + forked["replayed"] == 80
-    keys = [f"both-{i:03d}" for i in range(80)]
-    assert replay_all(url, provider, keys) == {"ran": 0, "replayed": 80, "errors": []}
-    assert len(provider.effects()) == 81
-    assert duplicates(provider) == {}
-
-
-@pytest.mark.parametrize("child", ["inherited", "new"])
-def test_parent_closes_while_its_forked_worker_runs(
-    url: str, tmp_path: Path, provider: Provider, child: str
-) -> None:
-    keys = [f"child-{i:03d}" for i in range(120)]
-    report = run_scenario("parent_closes", url, tmp_path, child=child, keys=len(keys))
-    assert report["child_exit"] == 0, report["child"]
-    assert report["child"]["value"] == {"ran": len(keys), "replayed": 0, "errors": []}
-    assert replay_all(url, provider, keys) == {"ran": 0, "replayed": len(keys), "errors": []}
-    assert len(provider.effects()) == 1 + len(keys)
-    assert duplicates(provider) == {}
-
-
-@pytest.mark.parametrize("child", ["inherited", "new"])
-def test_parent_exits_while_its_forked_worker_runs(
-    url: str, tmp_path: Path, provider: Provider, child: str
-) -> None:
-    keys = [f"child-{i:03d}" for i in range(120)]
-    report = run_scenario("parent_exits", url, tmp_path, child=child, keys=len(keys))
-    child_report = Path(report["report"])
-    with killed_on_exit(report["child_pid"]):
-        inspect_until(url, child_report.exists)
-        result = wait_for(child_report, timeout=120)
-    assert result.get("value") == {"ran": len(keys), "replayed": 0, "errors": []}, result
-    assert replay_all(url, provider, keys) == {"ran": 0, "replayed": len(keys), "errors": []}
-    assert len(provider.effects()) == 1 + len(keys)
-    assert duplicates(provider) == {}
-
-
-def test_fork_pool_and_fresh_processes_share_150_keys(
-    url: str, tmp_path: Path, provider: Provider
-) -> None:
-    report = run_scenario("pool", url, tmp_path, keys=150)
-    tallies = [*report["pool"], *report["fresh"]]
-    assert [t["errors"] for t in tallies] == [[]] * 6
-    assert sum(t["ran"] for t in tallies) == 150
-    assert all(t["ran"] + t["replayed"] == 150 for t in tallies)
-    keys = [f"shared-{i:03d}" for i in range(150)]
-    assert replay_all(url, provider, keys) == {"ran": 0, "replayed": 150, "errors": []}
-    assert len(provider.effects()) == 151
-    assert duplicates(provider) == {}
-
-
-@pytest.mark.parametrize("child", ["inherited", "new"])
-def test_owner_killed_after_forking_goes_stale(
-    url: str, tmp_path: Path, provider: Provider, child: str
-) -> None:
-    """The owner of a running claim forks a worker (which claims a key of its own) and is
-    then SIGKILLed: the worker must not keep the dead owner's lease alive."""
-    lease_s = 1.5
-    argv = [sys.executable, "-m", "tests.fork_support", "owner_killed", "--url", url,
-            "--dir", str(tmp_path), "--child", child, "--lease-s", str(lease_s)]  # fmt: skip
-    owner = subprocess.Popen(
-        argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    marker = wait_for(tmp_path / "owner.json", timeout=60)
-    with killed_on_exit(owner.pid, marker["child"]):
-        os.kill(marker["owner"], signal.SIGKILL)
-        killed_at = time.monotonic()
-        owner.wait(timeout=30)
-        stale, record = stale_within(url, "held", 2 * lease_s)
-        assert stale, f"the dead owner's claim was still live {2 * lease_s} s later: {record}"
-        assert time.monotonic() - killed_at <= 2 * lease_s + 1.0
-        retry = Ledger(backend_from_url(url))
-        try:
-            with pytest.raises(OutcomeUncertain):
-                retry.run("held", lambda: provider.charge("held"))
-        finally:
-            retry.close()
-        result = wait_for(tmp_path / "child.json", timeout=30)
-    assert result.get("value", "").startswith("ch_"), result
-    assert [e["key"] for e in provider.effects()] == ["child-own"]
 
 
 # -- the parent's connections stay the parent's -------------------------------------------
