@@ -43,6 +43,17 @@ def _pay(ledger: Ledger, provider: Provider, key: str, amount: int, caps: list[S
     )
 
 
+def _time_out(ledger: Ledger, key: str, amount: int, caps: list[SpendCap]) -> None:
+    """A call whose provider timed out: its outcome is unknown, its key left UNCERTAIN."""
+    plan = _plan(key, amount, caps)
+
+    def timed_out() -> str:
+        raise OutcomeUnknown("provider timed out")
+
+    with pytest.raises(OutcomeUnknown):
+        ledger.run(key, lambda: run(ledger.backend, plan, timed_out), fingerprint=plan.fingerprint)
+
+
 def _budget(backend: CacheBackend) -> tuple[int, int]:
     (budget,) = SpendLedger(backend).budgets()
     return budget.committed, budget.reserved
@@ -97,13 +108,7 @@ def test_an_uncertain_call_keeps_its_reservation_until_resolved_absent(
     provider = Provider.create(tmp_path / "effects")
     ledger = Ledger(backend)
     cap = SpendCap(100, "EUR")
-    plan = _plan("inv-1", 80, [cap])
-
-    def timed_out() -> str:
-        raise OutcomeUnknown("provider timed out")
-
-    with pytest.raises(OutcomeUnknown):
-        ledger.run("inv-1", lambda: run(backend, plan, timed_out), fingerprint=plan.fingerprint)
+    _time_out(ledger, "inv-1", 80, [cap])
     assert _budget(backend) == (0, 80)
     with pytest.raises(SpendCapExceeded) as refused:
         _pay(ledger, provider, "inv-2", 30, [cap])
@@ -123,13 +128,7 @@ def test_resolve_happened_counts_the_reservation_as_spent(
     provider = Provider.create(tmp_path / "effects")
     ledger = Ledger(backend)
     cap = SpendCap(100, "EUR")
-    plan = _plan("inv-1", 80, [cap])
-
-    def timed_out() -> str:
-        raise OutcomeUnknown("provider timed out")
-
-    with pytest.raises(OutcomeUnknown):
-        ledger.run("inv-1", lambda: run(backend, plan, timed_out), fingerprint=plan.fingerprint)
+    _time_out(ledger, "inv-1", 80, [cap])
     ledger.resolve("inv-1", result="ch_found", by="ops", reason="seen at the provider")
     with pytest.raises(SpendCapExceeded):
         _pay(ledger, provider, "inv-2", 30, [cap])
