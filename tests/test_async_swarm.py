@@ -196,14 +196,8 @@ def test_a_thousand_distinct_keys_each_run_once(backend: CacheBackend, provider:
     assert [o.value for o in again] == [o.value for o in outcomes]
 
 
-def test_waiters_in_another_process_share_one_poller(
-    backend: CacheBackend, provider: Provider
-) -> None:
-    # The owner is another ledger (as another process would be): its commit is not
-    # announced here, so the waiters must learn it from the store, through one poller.
-    owner = Ledger(backend)
-    store = Counting(backend)
-    waiters = Ledger(store)
+def _inside_its_body(owner: Ledger, provider: Provider) -> tuple[threading.Thread, threading.Event]:
+    """`owner` claims "k" on a thread and stays inside the body until the event is set."""
     inside, release = threading.Event(), threading.Event()
 
     def slow() -> str:
@@ -214,6 +208,18 @@ def test_waiters_in_another_process_share_one_poller(
     thread = threading.Thread(target=owner.run, args=("k", slow))
     thread.start()
     assert inside.wait(10)
+    return thread, release
+
+
+def test_waiters_in_another_process_share_one_poller(
+    backend: CacheBackend, provider: Provider
+) -> None:
+    # The owner is another ledger (as another process would be): its commit is not
+    # announced here, so the waiters must learn it from the store, through one poller.
+    owner = Ledger(backend)
+    store = Counting(backend)
+    waiters = Ledger(store)
+    thread, release = _inside_its_body(owner, provider)
 
     async def charge() -> str:
         return provider.charge("k")
@@ -334,16 +340,7 @@ def test_threads_and_tasks_wait_in_one_room(backend: CacheBackend, provider: Pro
     owner = Ledger(backend)
     store = Counting(backend)
     waiters = Ledger(store)
-    inside, release = threading.Event(), threading.Event()
-
-    def slow() -> str:
-        inside.set()
-        assert release.wait(10)
-        return provider.charge("k")
-
-    owner_thread = threading.Thread(target=owner.run, args=("k", slow))
-    owner_thread.start()
-    assert inside.wait(10)
+    owner_thread, release = _inside_its_body(owner, provider)
     replays: list[Any] = []
 
     def sync_waiter() -> None:
