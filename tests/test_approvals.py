@@ -39,6 +39,7 @@ from crewai_idempotent._gating import Plan, arun, run
 from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where
 from tests.conftest import DURABLE_BACKENDS
 from tests.faults.provider import Provider
+from tests.forked_race import fork_together
 
 PROCESSES = 16
 
@@ -98,35 +99,22 @@ def test_sixteen_processes_create_one_request_then_an_approval_runs_it_once(
 ) -> None:
     provider = Provider.create(tmp_path / "effects")
     out = tmp_path / "out"
-    read_end, write_end = os.pipe()
-    pids = []
-    for _ in range(PROCESSES):
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                os.close(write_end)
-                ledger = Ledger(backend_from_url(url := backend_url), wait_s=30.0)
-                os.read(read_end, 1)
-                try:
-                    _pay(ledger, Provider(provider.path), "inv-big", 90_000)
-                    verdict = "ran"
-                except ApprovalRequired as exc:
-                    verdict = exc.request_id
-                fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                os.write(fd, f"{verdict}\n".encode())
-                os.close(fd)
-                ledger.close()
-                del url
-                code = 0
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    os.close(read_end)
-    os.close(write_end)
-    assert all(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) == 0 for p in pids)
+
+    def pay_big_invoice(gate: int) -> None:  # pragma: no cover - runs in the child
+        ledger = Ledger(backend_from_url(backend_url), wait_s=30.0)
+        os.read(gate, 1)
+        try:
+            _pay(ledger, Provider(provider.path), "inv-big", 90_000)
+            verdict = "ran"
+        except ApprovalRequired as exc:
+            verdict = exc.request_id
+        fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.write(fd, f"{verdict}\n".encode())
+        os.close(fd)
+        ledger.close()
+
+    codes = fork_together([pay_big_invoice] * PROCESSES)
+    assert all(code == 0 for code in codes)
 
     rid = request_id("inv-big", "fp-90000")
     assert out.read_text().split() == [rid] * PROCESSES

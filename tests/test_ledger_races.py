@@ -6,16 +6,17 @@ never in log lines.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from crewai_idempotent import Ledger, backend_from_url
+from tests.forked_race import fork_together
 
 # The server backends race 16 processes in tests/test_{postgres,redis}_race.py.
 LOCAL_DURABLE_BACKENDS = ["sqlite", "sqlite-normal", "sqlite-claims", "filelock"]
@@ -48,24 +49,8 @@ def _worker(url: str, keys: list[str], effects: Path, results: Path, start_fd: i
 
 def _race(url: str, plan: list[list[str]], effects: Path, results: Path) -> None:
     """Fork one process per entry of `plan`, release them together, wait for all."""
-    read_end, write_end = os.pipe()
-    pids = []
-    for keys in plan:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                os.close(write_end)
-                _worker(url, keys, effects, results, read_end)
-                code = 0
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    os.close(read_end)
-    os.close(write_end)
-    failures = [pid for pid in pids if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+    codes = fork_together(functools.partial(_worker, url, keys, effects, results) for keys in plan)
+    failures = [code for code in codes if code != 0]
     assert not failures, f"{len(failures)} worker(s) failed; see stderr"
 
 

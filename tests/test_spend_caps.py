@@ -5,9 +5,9 @@ Effects are counted at the fake provider (tests/faults/provider.py), never in lo
 
 from __future__ import annotations
 
+import functools
 import os
 import random
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from crewai_idempotent._gating import Plan, run
 from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where, windows
 from tests.conftest import DURABLE_BACKENDS
 from tests.faults.provider import Provider
+from tests.forked_race import fork_together
 
 ROUNDS = int(os.environ.get("CREWAI_IDEMPOTENT_SPEND_ROUNDS", "50"))
 PROCESSES = 16
@@ -228,29 +229,16 @@ def _race_round(url: str, tmp_path: Path, round_: int, rng: random.Random) -> No
     provider = Provider.create(effects)
     amounts = {f"r{round_}-k{i}": rng.randint(1, 9) for i in range(PROCESSES)}
     limit = rng.randint(15, 45)  # some of the sixteen fit, some do not
-    read_end, write_end = os.pipe()
-    pids = []
-    for key, amount in amounts.items():
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                os.close(write_end)
-                _worker(url, key, amount, limit, effects, out, read_end)
-                code = 0
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    os.close(read_end)
-    os.close(write_end)
-    failed = [p for p in pids if os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) != 0]
+    codes = fork_together(
+        functools.partial(_worker, url, key, amount, limit, effects, out)
+        for key, amount in amounts.items()
+    )
+    failed = [code for code in codes if code != 0]
     assert not failed, f"{len(failed)} worker(s) failed; see stderr"
 
     verdicts = {}
     for line in out.read_text().splitlines():
-        key, amount, verdict = line.split()
+        key, _amount, verdict = line.split()
         verdicts[key] = verdict
     assert verdicts.keys() == amounts.keys()
     charged = [e["key"] for e in provider.effects()]
