@@ -26,7 +26,7 @@ from crewai_idempotent import (
     SQLiteCacheBackend,
 )
 from tests.faults.provider import Provider
-from tests.unprivileged import NOBODY, in_child
+from tests.unprivileged import NOBODY, in_child, reachable
 
 OTHER_USER = 12345  # neither root nor nobody: "another local user"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand files to others")
@@ -38,18 +38,6 @@ def provider(tmp_path: Path) -> Provider:
     if os.geteuid() == 0:
         os.chown(provider.path, NOBODY, NOBODY)  # unprivileged children charge too
     return provider
-
-
-def reachable(tmp_path: Path, name: str, mode: int = 0o755) -> Path:
-    """A folder an unprivileged child can reach (pytest's tmp_path is private to root)."""
-    for parent in (tmp_path, *tmp_path.parents):
-        if parent == Path("/tmp"):
-            break
-        os.chmod(parent, os.stat(parent).st_mode | 0o711)
-    folder = tmp_path / name
-    folder.mkdir()
-    os.chmod(folder, mode)
-    return folder
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from crewai_idempotent import (
     backend_from_url,
 )
 
-from .unprivileged import NOBODY, in_child
+from .unprivileged import NOBODY, in_child, reachable
 
 
 class Counter:
@@ -51,20 +51,9 @@ def counter(tmp_path: Path) -> Counter:
     return Counter(tmp_path / "provider")
 
 
-def _shared_folder(tmp_path: Path, name: str) -> Path:
-    """A folder an unprivileged child can reach (pytest's tmp_path is private to root)."""
-    for parent in (tmp_path, *tmp_path.parents):
-        if parent == Path("/tmp"):
-            break
-        os.chmod(parent, os.stat(parent).st_mode | 0o711)
-    folder = tmp_path / name
-    folder.mkdir()
-    return folder
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand files to another user")
 def test_sqlite_read_only_ledger_file(tmp_path: Path, counter: Counter) -> None:
-    folder = _shared_folder(tmp_path, "ro")
+    folder = reachable(tmp_path, "ro")
     path = folder / "ledger.db"
     with SQLiteCacheBackend(path) as backend:
         Ledger(backend).run("existing", counter.body("existing"))
@@ -84,7 +73,7 @@ def test_sqlite_read_only_ledger_file(tmp_path: Path, counter: Counter) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand files to another user")
 def test_filelock_read_only_ledger_folder(tmp_path: Path, counter: Counter) -> None:
-    folder = _shared_folder(tmp_path, "ro") / "ledger"
+    folder = reachable(tmp_path, "ro") / "ledger"
     Ledger(FileLockCacheBackend(folder)).run("existing", counter.body("existing"))
     for path in [folder, *folder.rglob("*")]:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)

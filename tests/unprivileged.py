@@ -11,6 +11,7 @@ import json
 import os
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 NOBODY = 65534
@@ -43,3 +44,15 @@ def in_child(fn: Callable[[], Any], *, unprivileged: bool = False) -> dict[str, 
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, f"child died: {status}"
     return json.loads(data)  # type: ignore[no-any-return]
+
+
+def reachable(tmp_path: Path, name: str, mode: int = 0o755) -> Path:
+    """A folder an unprivileged child can reach (pytest's tmp_path is private to root)."""
+    for parent in (tmp_path, *tmp_path.parents):
+        if parent == Path("/tmp"):
+            break
+        os.chmod(parent, os.stat(parent).st_mode | 0o711)
+    folder = tmp_path / name
+    folder.mkdir()
+    os.chmod(folder, mode)
+    return folder
