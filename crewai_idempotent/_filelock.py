@@ -27,14 +27,17 @@ import secrets
 import stat
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from . import _fork
 from ._backend import CacheBackend
 from ._errors import LedgerUnavailable
 from ._paths import check_trusted, private_folder
 from ._record import Peek, Record, Status
+
+T = TypeVar("T")
 
 
 class FileLockCacheBackend(CacheBackend):
@@ -154,11 +157,14 @@ class FileLockCacheBackend(CacheBackend):
         return f"{reason}: {path}: {exc}"
 
     def _read(self, path: Path) -> Record | None:
+        return self._parsed(path, Record.from_json)
+
+    def _parsed(self, path: Path, parse: Callable[[bytes], T]) -> T | None:
         data = self._read_bytes(path)
         if data is None:
             return None
         try:
-            return Record.from_json(data)
+            return parse(data)
         except (ValueError, KeyError, TypeError) as exc:
             raise LedgerUnavailable(f"the record file is corrupt: {path}: {exc!r}") from exc
 
@@ -301,14 +307,7 @@ class FileLockCacheBackend(CacheBackend):
     def peek(self, key: str) -> Peek | None:
         # A read of the record file: no key lock, no temp file, no fsync.
         self._check_identity()
-        path = self._names(key)[0]
-        data = self._read_bytes(path)
-        if data is None:
-            return None
-        try:
-            return Peek.from_json(data)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LedgerUnavailable(f"the record file is corrupt: {path}: {exc!r}") from exc
+        return self._parsed(self._names(key)[0], Peek.from_json)
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         self._check_identity()

@@ -426,14 +426,7 @@ class SQLiteCacheBackend(CacheBackend):
     def peek(self, key: str) -> Peek | None:
         # A plain SELECT: a read transaction on the WAL, never the write lock.
         doc = self._guard(_fetch_doc, key)
-        if doc is None:
-            return None
-        try:
-            return Peek.from_json(doc)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LedgerUnavailable(
-                f"the ledger file is corrupt: {self.path}: bad record {exc!r}"
-            ) from exc
+        return None if doc is None else self._parsed(doc, Peek.from_json)
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         params: tuple[str, ...] = ()
@@ -449,8 +442,11 @@ class SQLiteCacheBackend(CacheBackend):
         return self._guard(_changed, _DELETE, (current.key, current.token, current.revision))
 
     def _decode(self, doc: str) -> Record:
+        return self._parsed(doc, Record.from_json)
+
+    def _parsed(self, doc: str, parse: Callable[[str], T]) -> T:
         try:
-            return Record.from_json(doc)
+            return parse(doc)
         except (ValueError, KeyError, TypeError) as exc:
             raise LedgerUnavailable(
                 f"the ledger file is corrupt: {self.path}: bad record {exc!r}"
