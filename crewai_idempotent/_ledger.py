@@ -1045,6 +1045,27 @@ class Ledger:
                 log.exception("idempotency listener %r failed on %s", listener, kind)
 
 
+class _LockedAcrossFork:
+    """Fork hooks for an object whose state `_lock` guards: the lock is held across fork(),
+    so the child copies that state whole, never mid-change. The child gets a new lock and
+    forgets what belongs to the parent's threads (`_forget_in_child`)."""
+
+    _lock: threading.Lock
+
+    def before_fork(self) -> None:
+        self._lock.acquire()
+
+    def after_fork_in_parent(self) -> None:
+        self._lock.release()
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._forget_in_child()
+
+    def _forget_in_child(self) -> None:
+        raise NotImplementedError
+
+
 class _Room:
     """The callers of one key in one process (threads and tasks alike), and what they
     last learnt about it. Guarded by the `_Rooms` lock."""
@@ -1068,7 +1089,7 @@ class _Room:
         self.futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
 
 
-class _Rooms:
+class _Rooms(_LockedAcrossFork):
     """One room per key with callers waiting in this process; none when nobody waits."""
 
     def __init__(self) -> None:
@@ -1189,15 +1210,8 @@ class _Rooms:
                         loop.call_soon_threadsafe(_resolve_batches, futures)
             room.futures = {}
 
-    def before_fork(self) -> None:
-        self._lock.acquire()
-
-    def after_fork_in_parent(self) -> None:
-        self._lock.release()
-
-    def after_fork_in_child(self) -> None:
+    def _forget_in_child(self) -> None:
         # The waiters are the parent's threads and tasks; none of them exist here.
-        self._lock = threading.Lock()
         self._rooms = {}
 
 
@@ -1214,7 +1228,7 @@ def _resolve_batches(futures: list[asyncio.Future[None]], start: int = 0) -> Non
         asyncio.get_running_loop().call_soon(_resolve_batches, futures, end)
 
 
-class _Lanes:
+class _Lanes(_LockedAcrossFork):
     """The async path's thread pools, created on first use and again after fork().
 
     `io` carries claims and reads; `settle` carries commits, failures and releases, so
@@ -1250,19 +1264,12 @@ class _Lanes:
             if pool is not None:
                 pool.shutdown(wait=False)
 
-    def before_fork(self) -> None:
-        self._lock.acquire()
-
-    def after_fork_in_parent(self) -> None:
-        self._lock.release()
-
-    def after_fork_in_child(self) -> None:
+    def _forget_in_child(self) -> None:
         # The pools' threads stayed in the parent; dropped, never shut down from here.
-        self._lock = threading.Lock()
         self._io = self._settle = None
 
 
-class _LeaseKeeper:
+class _LeaseKeeper(_LockedAcrossFork):
     """One daemon thread per ledger that renews the leases of the claims this process runs.
 
     Across fork() the child starts with an empty table: the claims are the parent's, and
@@ -1299,15 +1306,8 @@ class _LeaseKeeper:
         with self._lock:
             return [claim.record for claim in self._claims.values()]
 
-    def before_fork(self) -> None:
-        self._lock.acquire()  # the table is copied whole, never mid-change
-
-    def after_fork_in_parent(self) -> None:
-        self._lock.release()
-
-    def after_fork_in_child(self) -> None:
+    def _forget_in_child(self) -> None:
         self._claims = {}
-        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread = None
 
