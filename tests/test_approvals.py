@@ -37,6 +37,7 @@ from crewai_idempotent._errors import (
 )
 from crewai_idempotent._gating import Plan, arun, run
 from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where
+from tests.approver import approve_first_pending
 from tests.conftest import DURABLE_BACKENDS
 from tests.faults.provider import Provider
 from tests.forked_race import fork_together
@@ -351,17 +352,6 @@ def test_async_waiting_polls_without_blocking_the_loop(
     ledger = Ledger(backend)
     plan = _plan(65_000, approval_wait_s=30.0)
 
-    async def approver() -> None:
-        # On the same loop as the waiting call: if the wait blocked the loop, this never
-        # ran and the call gave up after 30 s with ApprovalRequired.
-        approvals = Approvals(backend)
-        while True:
-            pending = await asyncio.to_thread(approvals.list, "pending")
-            if pending:
-                await asyncio.to_thread(approvals.approve, pending[0].id, by="ops")
-                return
-            await asyncio.sleep(0.02)
-
     async def body() -> str:
         return provider.charge("inv-async")
 
@@ -370,7 +360,7 @@ def test_async_waiting_polls_without_blocking_the_loop(
             ledger.arun(
                 "inv-async", lambda: arun(backend, plan, body), fingerprint=plan.fingerprint
             ),
-            approver(),
+            approve_first_pending(backend, poll_s=0.02),  # on the waiting call's loop
         )
         return paid
 

@@ -31,6 +31,7 @@ from crewai_idempotent.integration.approval_events import (
     ApprovalDecidedEvent,
     ApprovalRequestedEvent,
 )
+from tests.approver import approve_first_pending
 from tests.crewai_support.crews import payment_crew, scripted
 from tests.crewai_support.provider import FakeProvider
 
@@ -213,20 +214,11 @@ def test_idempotent_wrapper_takes_gates_and_waits_for_an_approval_given_meanwhil
     pay = idempotent(Pay(), approval=True, approval_wait_s=30.0)
     backend = backend_from_url(url)
 
-    async def approve_soon() -> None:
-        approvals = Approvals(backend)
-        while True:
-            pending = await asyncio.to_thread(approvals.list, "pending")
-            if pending:
-                await asyncio.to_thread(approvals.approve, pending[0].id, by="ops")
-                return
-            await asyncio.sleep(0.05)
-
     async def main() -> None:
         llm = scripted(True, [("pay_invoice", LARGE)])
         crew, _ = payment_crew([pay], llm, cache_backend=url)
         # The approver runs on the same loop: the waiting call must not block it.
-        await asyncio.gather(crew.kickoff_async(), approve_soon())
+        await asyncio.gather(crew.kickoff_async(), approve_first_pending(backend, poll_s=0.05))
 
     asyncio.run(main())
     backend.close()
