@@ -23,7 +23,7 @@ from ._tools import GUARD_MARK, METHODS
 
 _CHECKED = "__crewai_idempotent_checked__"
 
-install()  # raises UnsupportedCrewAIVersion on a crewai this integration does not cover
+install()  # outside the tested crewAI range, guarded tools refuse to run at call time
 
 
 def _inactive(what: str) -> GuardInactive:
