@@ -413,6 +413,23 @@ def _raise(call: _Call, exc: Exception) -> NoReturn:
     raise raised from exc
 
 
+def _succeeded(call: _Call, observation: _otel.Observer, outcome: Outcome[Any]) -> Any:
+    if outcome.replayed:
+        _replayed(call, outcome)
+    observation.finish("replay" if outcome.replayed else "claim", outcome.record)
+    return outcome.value
+
+
+def _unsucceeded(call: _Call, observation: _otel.Observer, exc: Exception) -> Any:
+    """A returned ToolFailure goes back to crewai as returned; anything else is raised.
+    Called outside the caller's except block, so nothing chains implicitly."""
+    _observed_error(observation, exc)
+    returned = _returned_failure(exc)
+    if returned is not None:
+        return returned
+    _raise(call, exc)
+
+
 # -- the guard -------------------------------------------------------------------------
 
 
@@ -454,15 +471,8 @@ def call(
     except Exception as exc:  # noqa: BLE001 - each kind is sorted out in _failed
         error: Exception = exc
     else:
-        if outcome.replayed:
-            _replayed(prepared, outcome)
-        observation.finish("replay" if outcome.replayed else "claim", outcome.record)
-        return outcome.value
-    _observed_error(observation, error)
-    returned = _returned_failure(error)
-    if returned is not None:
-        return returned
-    _raise(prepared, error)  # outside the except block: no implicit chaining
+        return _succeeded(prepared, observation, outcome)
+    return _unsucceeded(prepared, observation, error)
 
 
 async def acall(
@@ -507,12 +517,5 @@ async def acall(
     except Exception as exc:  # noqa: BLE001 - each kind is sorted out in _failed
         error: Exception = exc
     else:
-        if outcome.replayed:
-            _replayed(prepared, outcome)
-        observation.finish("replay" if outcome.replayed else "claim", outcome.record)
-        return outcome.value
-    _observed_error(observation, error)
-    returned = _returned_failure(error)
-    if returned is not None:
-        return returned
-    _raise(prepared, error)
+        return _succeeded(prepared, observation, outcome)
+    return _unsucceeded(prepared, observation, error)
