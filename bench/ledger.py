@@ -41,7 +41,7 @@ from typing import Any
 
 from crewai_idempotent import FileLockCacheBackend, Ledger, SQLiteCacheBackend
 from crewai_idempotent._record import Event, Owner, Record, Status
-from crewai_idempotent._sqlite import _GET, _INSERT, _REPLACE, _SCHEMA
+from crewai_idempotent.backends.sqlite import _GET, _INSERT, _REPLACE, _SCHEMA
 
 RECEIPT = "ch_3PxYz2LkdIwHu7ix0s1Q9aBc"
 THREADS = PROCESSES = 8

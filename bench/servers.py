@@ -65,7 +65,7 @@ class RawPostgres:
     def __init__(self, url: str, docs: tuple[str, str]) -> None:
         import psycopg
 
-        from crewai_idempotent._postgres import _Statements, from_url
+        from crewai_idempotent.backends.postgres import _Statements, from_url
 
         backend = from_url(url)  # creates the table: same schema as ours
         backend.get("nothing")
@@ -102,7 +102,7 @@ class RawRedis:
     def __init__(self, url: str, docs: tuple[str, str]) -> None:
         import redis
 
-        from crewai_idempotent._redis import _CLAIM, _REPLACE, from_url
+        from crewai_idempotent.backends.redis import _CLAIM, _REPLACE, from_url
 
         backend = from_url(url)
         self.prefix = backend.prefix + "raw:"

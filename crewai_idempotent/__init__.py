@@ -35,25 +35,25 @@ from .integration import IdempotencyConfig, KeyContext, configure, idempotent, i
 from .integration import activate as _activate
 
 if TYPE_CHECKING:
-    from ._filelock import FileLockCacheBackend
-    from ._memory import InMemoryCacheBackend
-    from ._postgres import PostgresCacheBackend
-    from ._redis import RedisCacheBackend, RedisDurabilityWarning
-    from ._sqlite import SQLiteCacheBackend
-    from ._url import backend_from_url
+    from .backends._url import backend_from_url
+    from .backends.filelock import FileLockCacheBackend
+    from .backends.memory import InMemoryCacheBackend
+    from .backends.postgres import PostgresCacheBackend
+    from .backends.redis import RedisCacheBackend, RedisDurabilityWarning
+    from .backends.sqlite import SQLiteCacheBackend
     from .integration._strict import IdempotentTool, idempotent_tool
 
 # Loaded on first use, so that `import crewai` with the integration active pays for none of
 # them: backends (and filelock, sqlite3, psycopg, redis-py), and the strict tool forms
 # (which import crewai).
 _LAZY = {
-    "FileLockCacheBackend": "._filelock",
-    "InMemoryCacheBackend": "._memory",
-    "SQLiteCacheBackend": "._sqlite",
-    "backend_from_url": "._url",
-    "PostgresCacheBackend": "._postgres",
-    "RedisCacheBackend": "._redis",
-    "RedisDurabilityWarning": "._redis",
+    "FileLockCacheBackend": ".backends.filelock",
+    "InMemoryCacheBackend": ".backends.memory",
+    "SQLiteCacheBackend": ".backends.sqlite",
+    "backend_from_url": ".backends._url",
+    "PostgresCacheBackend": ".backends.postgres",
+    "RedisCacheBackend": ".backends.redis",
+    "RedisDurabilityWarning": ".backends.redis",
     "IdempotentTool": ".integration._strict",
     "idempotent_tool": ".integration._strict",
 }

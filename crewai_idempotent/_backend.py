@@ -18,7 +18,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
-from ._clock import ServerClock
 from ._record import Peek, Record, Status
 
 
@@ -40,12 +39,9 @@ class CacheBackend(ABC):
         """True when `now()` would ask a server (no reading yet, or a refresh is due).
 
         The async path then reads the clock on a worker thread before deciding, so the
-        event loop never waits for a round trip. Stores that keep a `ServerClock` in
-        `_clock` (PostgreSQL, Redis) are recognised; a store with another remote clock
-        overrides this.
+        event loop never waits for a round trip. A store whose `now()` is local keeps this.
         """
-        clock = getattr(self, "_clock", None)
-        return isinstance(clock, ServerClock) and (clock.reading is None or clock.due())
+        return False
 
     @abstractmethod
     def insert(self, record: Record) -> Record | None:

@@ -59,7 +59,7 @@ def _ledger_facts(where: _Where, out: _Report) -> None:
 
 
 def _local_files(where: _Where, out: _Report) -> list[Path]:
-    from ._url import local_path
+    from .backends._url import local_path
 
     if where.url is None:
         from .integration._config import default_ledger_path
@@ -152,7 +152,7 @@ def _durability_facts(backend: Any, out: _Report) -> None:
 
 
 def _redis_durability(backend: Any, out: _Report) -> None:
-    from ._redis import persistence_problem
+    from .backends.redis import persistence_problem
 
     try:
         config: dict[str, str] = {}

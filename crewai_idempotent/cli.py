@@ -82,7 +82,7 @@ class _Where:
     def _open(self) -> Ledger:
         from ._errors import LedgerUnavailable
         from ._ledger import Ledger
-        from ._url import backend_from_url
+        from .backends._url import backend_from_url
 
         if self.url is None:
             path = _default_path()
@@ -110,7 +110,7 @@ class _Where:
 
     def _require_existing(self, url: str) -> None:
         """Refuse to create a ledger by looking at one: a typo would open an empty new one."""
-        from ._url import local_path
+        from .backends._url import local_path
 
         try:
             path = local_path(url)
@@ -172,7 +172,7 @@ def _sqlite_url(path: Path) -> str:
 
 
 def _redact(url: str) -> str:
-    from ._url import redact
+    from .backends._url import redact
 
     return safe(redact(url))
 

@@ -37,8 +37,8 @@ from crewai_idempotent import CacheBackend, backend_from_url
 
 # Loaded once here, so that processes the tests fork do not each import psycopg/redis-py.
 with contextlib.suppress(ImportError):
-    import crewai_idempotent._postgres
-    import crewai_idempotent._redis  # noqa: F401
+    import crewai_idempotent.backends.postgres
+    import crewai_idempotent.backends.redis  # noqa: F401
 
 ON_CI = os.environ.get("CI", "").lower() == "true"
 

@@ -195,7 +195,7 @@ def test_a_redis_client_passed_in_is_reset_by_redis_py_in_the_child(
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from crewai_idempotent._redis import RedisCacheBackend
+    from crewai_idempotent.backends.redis import RedisCacheBackend
 
     server: Any = request.getfixturevalue("redis_server")
     client = redis.Redis.from_url(server.url(), retry=Retry(NoBackoff(), 0))

@@ -17,7 +17,7 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from crewai_idempotent import Ledger, LedgerUnavailable, backend_from_url
-from crewai_idempotent._postgres import SCHEMA_VERSION, PostgresCacheBackend
+from crewai_idempotent.backends.postgres import SCHEMA_VERSION, PostgresCacheBackend
 from tests.servers import PostgresServer
 
 

@@ -18,7 +18,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from crewai_idempotent import Ledger, LedgerUnavailable, Status, backend_from_url
-from crewai_idempotent._redis import RedisCacheBackend, RedisDurabilityWarning, persistence_problem
+from crewai_idempotent.backends.redis import (
+    RedisCacheBackend,
+    RedisDurabilityWarning,
+    persistence_problem,
+)
 from tests.servers import RedisServer, discard, start_redis
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from crewai_idempotent import Ledger, LedgerUnavailable, backend_from_url
-from crewai_idempotent._redis import _CLAIM, _REPLACE
+from crewai_idempotent.backends.redis import _CLAIM, _REPLACE
 from tests.faults.matrix import CELLS, assert_cell, runs_per_cell
 from tests.servers import (
     CuttingProxy,

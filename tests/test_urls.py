@@ -15,7 +15,7 @@ from crewai_idempotent import (
     SQLiteCacheBackend,
     backend_from_url,
 )
-from crewai_idempotent._url import file_url, redact, sqlite_url
+from crewai_idempotent.backends._url import file_url, redact, sqlite_url
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_memory_takes_no_options() -> None:
 
 
 def test_a_missing_client_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delitem(sys.modules, "crewai_idempotent._redis", raising=False)
+    monkeypatch.delitem(sys.modules, "crewai_idempotent.backends.redis", raising=False)
     monkeypatch.setitem(sys.modules, "redis", None)
     with pytest.raises(LedgerConfigurationError, match=r"crewai-idempotent\[redis\]"):
         backend_from_url("redis://:pw@localhost:6379/0")

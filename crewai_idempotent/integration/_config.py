@@ -248,7 +248,7 @@ def ledger_for(backend: CacheBackend) -> Ledger:
 def _backend_from(value: CacheBackend | str) -> CacheBackend:
     if isinstance(value, CacheBackend):
         return value
-    from .._url import backend_from_url  # on first use: it pulls in nothing at activation
+    from ..backends._url import backend_from_url  # on first use: it pulls in nothing at activation
 
     with _lock:
         backend = _url_backends.get(value)
@@ -258,7 +258,7 @@ def _backend_from(value: CacheBackend | str) -> CacheBackend:
 
 
 def _default_backend() -> CacheBackend:
-    from .._sqlite import SQLiteCacheBackend
+    from ..backends.sqlite import SQLiteCacheBackend
 
     path = str(default_ledger_path())
     with _lock:
@@ -272,7 +272,7 @@ def env_backend() -> CacheBackend | None:
     """The ledger CREWAI_IDEMPOTENCY_URL names, or None if it is unset or blank.
 
     `LedgerConfigurationError` naming the variable if it cannot be used."""
-    from .._url import redact
+    from ..backends._url import redact
 
     url = os.environ.get(URL_ENV, "").strip()
     if not url:

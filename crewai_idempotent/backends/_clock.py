@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ._errors import LedgerUnavailable
+from .._errors import LedgerUnavailable
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -50,6 +50,10 @@ class ServerClock:
 
     def due(self) -> bool:
         return time.monotonic() >= self._next
+
+    def blocks(self) -> bool:
+        """True when `now()` would ask the server (no reading yet, or a refresh is due)."""
+        return self.reading is None or self.due()
 
     def after_fork(self) -> None:
         self._measuring = threading.Lock()  # a lock held by a thread the child doesn't have

@@ -46,12 +46,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "install it with: pip install 'crewai-idempotent[redis]'"
     ) from exc
 
-from . import _fork
-from ._backend import CacheBackend
+from .. import _fork
+from .._backend import CacheBackend
+from .._errors import LedgerUnavailable
+from .._record import Record, Status
 from ._clock import ServerClock
-from ._errors import LedgerUnavailable
-from ._record import Record, Status
-from ._server_url import flag, split_server_options
+from ._options import flag, split_server_options
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -297,6 +297,9 @@ class RedisCacheBackend(CacheBackend):
 
     def now(self) -> float:
         return self._clock.now()
+
+    def now_blocks(self) -> bool:
+        return self._clock.blocks()
 
     def _read_clock(self) -> float:
         seconds, micros = self._call("reading the server clock", lambda _: self.client.time())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from ._backend import CacheBackend
-from ._record import Peek, Record, Status
+from .._backend import CacheBackend
+from .._record import Peek, Record, Status
 
 
 class InMemoryCacheBackend(CacheBackend):

@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import _fork
-from ._backend import CacheBackend
-from ._errors import LedgerUnavailable
+from .. import _fork
+from .._backend import CacheBackend
+from .._errors import LedgerUnavailable
+from .._record import Peek, Record, Status
 from ._paths import check_existing_file, private_file
-from ._record import Peek, Record, Status
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")

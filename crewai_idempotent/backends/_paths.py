@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from ._errors import LedgerUnavailable
+from .._errors import LedgerUnavailable
 
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 _OVERRIDE = "pass allow_insecure_path=True if you accept that risk"

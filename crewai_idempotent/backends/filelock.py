@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from . import _fork
-from ._backend import CacheBackend
-from ._errors import LedgerUnavailable
+from .. import _fork
+from .._backend import CacheBackend
+from .._errors import LedgerUnavailable
+from .._record import Peek, Record, Status
 from ._paths import check_trusted, private_folder
-from ._record import Peek, Record, Status
 
 T = TypeVar("T")
 

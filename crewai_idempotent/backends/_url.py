@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
-from ._backend import CacheBackend
-from ._errors import LedgerConfigurationError
+from .._backend import CacheBackend
+from .._errors import LedgerConfigurationError
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -181,7 +181,7 @@ def local_path(url: str) -> Path | None:
 
 
 def _sqlite(url: str) -> CacheBackend:
-    from ._sqlite import SQLiteCacheBackend
+    from .sqlite import SQLiteCacheBackend
 
     options = _options(url, urlsplit(url).query, _SQLITE_OPTIONS, "sqlite")
     path = sqlite_path(url)
@@ -192,14 +192,14 @@ def _sqlite(url: str) -> CacheBackend:
 
 
 def _file(url: str) -> CacheBackend:
-    from ._filelock import FileLockCacheBackend
+    from .filelock import FileLockCacheBackend
 
     options = _options(url, urlsplit(url).query, _FILE_OPTIONS, "file")
     return FileLockCacheBackend(file_path(url), **options)
 
 
 def _memory(url: str) -> CacheBackend:
-    from ._memory import InMemoryCacheBackend
+    from .memory import InMemoryCacheBackend
 
     parts = urlsplit(url)
     _options(url, parts.query, {}, "memory")
@@ -227,7 +227,7 @@ def split_options(
     return parts._replace(query=urlencode(passthrough)), options
 
 
-_EXTRAS = {"._postgres": "postgres", "._redis": "redis"}
+_EXTRAS = {".postgres": "postgres", ".redis": "redis"}
 
 
 def _lazy(module: str, factory: str) -> Callable[[str], CacheBackend]:
@@ -250,8 +250,8 @@ SCHEMES: dict[str, Callable[[str], CacheBackend]] = {
     "sqlite": _sqlite,
     "file": _file,
     "memory": _memory,
-    **dict.fromkeys(("postgresql", "postgres"), _lazy("._postgres", "from_url")),
-    **dict.fromkeys(("redis", "rediss"), _lazy("._redis", "from_url")),
+    **dict.fromkeys(("postgresql", "postgres"), _lazy(".postgres", "from_url")),
+    **dict.fromkeys(("redis", "rediss"), _lazy(".redis", "from_url")),
 }
 
 

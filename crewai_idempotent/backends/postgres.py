@@ -45,12 +45,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "install them with: pip install 'crewai-idempotent[postgres]'"
     ) from exc
 
-from . import _fork
-from ._backend import CacheBackend
+from .. import _fork
+from .._backend import CacheBackend
+from .._errors import LedgerUnavailable
+from .._record import Record, Status
 from ._clock import ServerClock
-from ._errors import LedgerUnavailable
-from ._record import Record, Status
-from ._server_url import split_server_options
+from ._options import split_server_options
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -500,6 +500,9 @@ class PostgresCacheBackend(CacheBackend):
 
     def now(self) -> float:
         return self._clock.now()
+
+    def now_blocks(self) -> bool:
+        return self._clock.blocks()
 
     def _read_clock(self) -> float | None:
         def read(conn: psycopg.Connection[Any], _resent: bool) -> float | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
-from ._errors import LedgerConfigurationError
+from .._errors import LedgerConfigurationError
 
 
 def split_server_options(

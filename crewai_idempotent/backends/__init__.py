@@ -1,0 +1,53 @@
+"""The stores a ledger keeps its records in, each a short `CacheBackend` subclass.
+
+Embedded: `sqlite` (the default; one file, WAL), `filelock` (a folder of JSON files under
+flock), `memory` (tests only: not durable). Shared by many hosts: `postgres`, `redis`.
+Beside them: `_url` (the scheme table behind `backend_from_url`), `_options` (query-string
+options of the server URLs), `_paths` (refusing files another user could tamper with),
+`_clock` (a server's clock, for hosts whose clocks differ).
+
+Nothing here is imported until used, so `import crewai` with the integration active pays
+for no store and no client library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._url import backend_from_url
+    from .filelock import FileLockCacheBackend
+    from .memory import InMemoryCacheBackend
+    from .postgres import PostgresCacheBackend
+    from .redis import RedisCacheBackend, RedisDurabilityWarning
+    from .sqlite import SQLiteCacheBackend
+
+_WHERE = {
+    "FileLockCacheBackend": ".filelock",
+    "InMemoryCacheBackend": ".memory",
+    "PostgresCacheBackend": ".postgres",
+    "RedisCacheBackend": ".redis",
+    "RedisDurabilityWarning": ".redis",
+    "SQLiteCacheBackend": ".sqlite",
+    "backend_from_url": "._url",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "FileLockCacheBackend",
+    "InMemoryCacheBackend",
+    "PostgresCacheBackend",
+    "RedisCacheBackend",
+    "RedisDurabilityWarning",
+    "SQLiteCacheBackend",
+    "backend_from_url",
+]
