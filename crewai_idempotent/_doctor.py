@@ -62,7 +62,7 @@ def _local_files(where: _Where, out: _Report) -> list[Path]:
     from .backends._url import local_path
 
     if where.url is None:
-        from .integration._config import default_ledger_path
+        from .integration import default_ledger_path
 
         path: Path | None = default_ledger_path()
         scheme = "sqlite"

@@ -36,13 +36,14 @@ from urllib.parse import quote, urlsplit
 import click
 from click.core import ParameterSource
 
+from .integration import URL_ENV
+
 if TYPE_CHECKING:
     from rich.console import Console
 
     from ._ledger import Ledger
     from ._record import Record
 
-URL_ENV = "CREWAI_IDEMPOTENCY_URL"
 _STATUSES = ("pending", "committed", "failed", "uncertain")
 
 
@@ -199,7 +200,7 @@ def _secrets(url: str) -> list[str]:
 
 def _default_path() -> Path:
     # The integration's own definition, so the CLI always looks where the tools write.
-    from .integration._config import default_ledger_path
+    from .integration import default_ledger_path
 
     return default_ledger_path()
 

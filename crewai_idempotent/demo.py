@@ -144,7 +144,7 @@ class _Demo:
     def ledger_file(self) -> str:
         if self.ledger_path:
             return os.path.abspath(self.ledger_path)
-        from crewai_idempotent.integration._config import default_ledger_path
+        from crewai_idempotent.integration import default_ledger_path
 
         return str(default_ledger_path())
 

@@ -351,7 +351,7 @@ def test_default_ledger_is_the_integrations(
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.setenv("CREWAI_STORAGE_DIR", "shop")
     monkeypatch.delenv("CREWAI_IDEMPOTENCY_URL", raising=False)
-    from crewai_idempotent.integration._config import default_ledger_path
+    from crewai_idempotent.integration import default_ledger_path
 
     path = default_ledger_path()
     assert path.is_relative_to(tmp_path / "data" / "shop")
@@ -680,7 +680,7 @@ def test_doctor_names_the_default_ledger(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.delenv("CREWAI_STORAGE_DIR", raising=False)
     monkeypatch.delenv("CREWAI_IDEMPOTENCY_URL", raising=False)
-    from crewai_idempotent.integration._config import default_ledger_path
+    from crewai_idempotent.integration import default_ledger_path
 
     result = cli(None, "doctor")
     assert result.exit_code == 1  # no ledger there yet: reported, not created

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._config import IdempotencyConfig, configure
+from ._config import URL_ENV, IdempotencyConfig, configure, default_ledger_path
 from ._keying import KeyContext
 from ._patch import UnsupportedCrewAIVersion, install, is_installed, uninstall
 
@@ -17,11 +17,13 @@ if TYPE_CHECKING:
     from crewai.tools.base_tool import BaseTool
 
 __all__ = [
+    "URL_ENV",
     "IdempotencyConfig",
     "KeyContext",
     "UnsupportedCrewAIVersion",
     "activate",
     "configure",
+    "default_ledger_path",
     "idempotent",
     "install",
     "is_installed",
