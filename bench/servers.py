@@ -65,13 +65,14 @@ class RawPostgres:
     def __init__(self, url: str, docs: tuple[str, str]) -> None:
         import psycopg
 
-        from crewai_idempotent.backends.postgres import _Statements, from_url
+        from crewai_idempotent.backends._postgres_schema import Statements
+        from crewai_idempotent.backends.postgres import PostgresCacheBackend
 
-        backend = from_url(url)  # creates the table: same schema as ours
+        backend = PostgresCacheBackend.from_url(url)  # creates the table: same schema as ours
         backend.get("nothing")
         table, dsn = backend.table, backend._conninfo
         backend.close()
-        self.sql = _Statements(table, None)
+        self.sql = Statements(table, None)
         self.conn = psycopg.connect(dsn, autocommit=True)
         self.claim_doc, self.commit_doc = docs
 
@@ -102,15 +103,16 @@ class RawRedis:
     def __init__(self, url: str, docs: tuple[str, str]) -> None:
         import redis
 
-        from crewai_idempotent.backends.redis import _CLAIM, _REPLACE, from_url
+        from crewai_idempotent.backends._redis_scripts import CLAIM, REPLACE
+        from crewai_idempotent.backends.redis import RedisCacheBackend
 
-        backend = from_url(url)
+        backend = RedisCacheBackend.from_url(url)
         self.prefix = backend.prefix + "raw:"
         backend.close()
         base = url.split("?", 1)[0]
         self.client = redis.Redis.from_url(base)
-        self.claim = self.client.register_script(_CLAIM)
-        self.replace = self.client.register_script(_REPLACE)
+        self.claim = self.client.register_script(CLAIM)
+        self.replace = self.client.register_script(REPLACE)
         self.indexes = [
             f"{self.prefix}i:{s}" for s in ("PENDING", "COMMITTED", "FAILED", "UNCERTAIN")
         ]

@@ -24,8 +24,6 @@ from ._record import Peek, Record, Status
 class CacheBackend(ABC):
     """Base class of ledger stores. Subclasses must be safe to share between threads."""
 
-    #: False only for stores that lose everything when the process ends.
-    durable: bool = True
     #: True when a read is cheap and local (an embedded store): the guard then peeks
     #: before claiming, so a replay never takes the store's write lock. A server store
     #: keeps its single round trip (its claim statement already returns the holder).

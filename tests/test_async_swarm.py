@@ -44,7 +44,6 @@ class Counting(CacheBackend):
 
     def __init__(self, backend: CacheBackend) -> None:
         self.backend = backend
-        self.durable = backend.durable
         self.calls: Counter[str] = Counter()
         self.threads: set[str] = set()
         self._lock = threading.Lock()

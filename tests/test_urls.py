@@ -15,7 +15,9 @@ from crewai_idempotent import (
     SQLiteCacheBackend,
     backend_from_url,
 )
-from crewai_idempotent.backends._url import file_url, redact, sqlite_url
+from crewai_idempotent.backends._options import redact
+from crewai_idempotent.backends.filelock import file_url
+from crewai_idempotent.backends.sqlite import sqlite_url
 
 
 @pytest.fixture

@@ -1,10 +1,15 @@
-"""The stores a ledger keeps its records in, each a short `CacheBackend` subclass.
+"""The stores a ledger keeps its records in, each a `CacheBackend` subclass.
 
 Embedded: `sqlite` (the default; one file, WAL), `filelock` (a folder of JSON files under
 flock), `memory` (tests only: not durable). Shared by many hosts: `postgres`, `redis`.
-Beside them: `_url` (the scheme table behind `backend_from_url`), `_options` (query-string
-options of the server URLs), `_paths` (refusing files another user could tamper with),
-`_clock` (a server's clock, for hosts whose clocks differ).
+Each opens from its own URL with `from_url`, which refuses any option it does not know.
+
+Beside them: `_url` (the scheme table behind `backend_from_url`), `_options` (URL options
+and `redact`), `_paths` (refusing files another user could tamper with), `_clock` (a
+server's clock, for hosts whose clocks differ), `_sqlite_fork` (closing SQLite around
+fork()), `_postgres_schema` and `_postgres_deadline` (the table and its migrations; the
+client-side bound on every call), `_redis_scripts` and `_redis_deadline` (the atomic
+writes; the bound on every socket wait).
 
 Nothing here is imported until used, so `import crewai` with the integration active pays
 for no store and no client library.

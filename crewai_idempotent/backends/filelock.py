@@ -29,12 +29,14 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Self, TypeVar
+from urllib.parse import quote, unquote, urlsplit
 
 from .. import _fork
 from .._backend import CacheBackend
-from .._errors import LedgerUnavailable
+from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._record import Peek, Record, Status
+from ._options import configuration_errors, flag, local_options
 from ._paths import check_trusted, private_folder
 
 T = TypeVar("T")
@@ -78,6 +80,37 @@ class FileLockCacheBackend(CacheBackend):
 
     def __repr__(self) -> str:
         return f"FileLockCacheBackend({str(self.directory)!r})"
+
+    # -- URL (RFC 8089) ----------------------------------------------------------------
+
+    @classmethod
+    def from_url(cls, url: str) -> Self:
+        """`file:///absolute/dir` with the options `fsync` and `allow_insecure_path`;
+        anything else is a `LedgerConfigurationError`."""
+        options = local_options(url, _URL_OPTIONS, "file")
+        with configuration_errors():
+            return cls(cls.path_from_url(url), **options)
+
+    @staticmethod
+    def path_from_url(url: str) -> Path:
+        """The absolute folder a `file:` URL names, without opening it. A file URL has
+        no relative form (as browsers, curl and `Path.as_uri()` read it)."""
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise LedgerConfigurationError(
+                f"{url!r}: a file URL names a folder on this host; {parts.netloc!r} is read as "
+                f"a host name. Write file:///absolute/dir (did you mean file:///"
+                f"{parts.netloc}{parts.path}?)"
+            )
+        text = unquote(parts.path)
+        if not text.startswith("/"):
+            raise LedgerConfigurationError(
+                f"{url!r}: file URLs are absolute (RFC 8089): write file:///absolute/dir, or "
+                "FileLockCacheBackend('relative/dir') in code"
+            )
+        if text.rstrip("/") == "":
+            raise LedgerConfigurationError(f"{url!r} names no folder")
+        return Path(text)
 
     # -- layout ------------------------------------------------------------------------
 
@@ -326,6 +359,17 @@ class FileLockCacheBackend(CacheBackend):
             os.unlink(final)
             self._sync_folder(final.parent)
             return True
+
+
+_URL_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "fsync": flag,
+    "allow_insecure_path": flag,
+}
+
+
+def file_url(path: str | os.PathLike[str]) -> str:
+    """The `file:` URL of the folder `path`, made absolute."""
+    return "file://" + quote(str(Path(path).absolute()), safe="/")
 
 
 def _unlink(path: Path) -> None:

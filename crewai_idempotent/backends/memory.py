@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Self
+from urllib.parse import urlsplit
 
 from .._backend import CacheBackend
+from .._errors import LedgerConfigurationError
 from .._record import Peek, Record, Status
+from ._options import local_options
 
 
 class InMemoryCacheBackend(CacheBackend):
     """Not durable: every record is lost when the process ends. Use it in tests only."""
 
-    durable = False
     read_first = True
 
     def __init__(self) -> None:
         self._records: dict[str, Record] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str) -> Self:
+        """`memory://`, which takes no name, path or option."""
+        local_options(url, {}, "memory")
+        parts = urlsplit(url)
+        if parts.netloc or parts.path.strip("/"):
+            raise LedgerConfigurationError(f"{url!r}: memory:// takes no name or path")
+        return cls()
 
     def insert(self, record: Record) -> Record | None:
         with self._lock:

@@ -5,32 +5,32 @@ holder when the key is taken, so a claim and a replay each cost one round trip. 
 transition is one `UPDATE ... WHERE key AND token AND revision` (a compare-and-set on the
 fencing token). Connections come from a `psycopg_pool.ConnectionPool`.
 
-Every operation is bounded on the client, whatever the server does. `statement_timeout`
-is enforced by the server, so it cannot fire when the server is frozen (SIGSTOP, a hung
-host) or the network drops packets: the kernel at the far end may still acknowledge TCP,
-so keepalives and TCP_USER_TIMEOUT do not help either. A watchdog thread shuts down the
-socket of a connection whose statements run past their deadline; the blocked read then
-returns, and the connection is discarded.
+Every operation is bounded on the client, whatever the server does: a watchdog thread
+shuts down the socket of a connection whose statements run past their deadline, because
+the server's `statement_timeout` cannot fire when the server is frozen or the network
+drops packets (`_postgres_deadline`). The table, its SQL and its migrations are in
+`_postgres_schema`.
 
 Leases and TTLs are measured on the server's clock: the backend reads the server's time
 when it opens a connection and at most every `clock_refresh_s` afterwards, and counts the
 local monotonic clock forward from that reading. A claim costs no extra round trip for
 the time, and a host whose wall clock is wrong (or jumps) cannot expire another host's
 lease early: all hosts measure against the same server.
+
+The class is long because a connection's life is one story told in one place: the pool,
+the direct bridge beside it while the pool reconnects, what fork() leaves of them, the
+deadline of each call and the one resend after a lost connection.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import os
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 from urllib.parse import urlunsplit
 
 try:
@@ -50,55 +50,19 @@ from .._backend import CacheBackend
 from .._errors import LedgerUnavailable
 from .._record import Record, Status
 from ._clock import ServerClock
-from ._options import split_server_options
+from ._options import configuration_errors, split_server_options
+from ._postgres_deadline import GRACE_S, Budget, Connecting, watchdog
+from ._postgres_schema import (
+    DEFAULT_TABLE,
+    SCHEMA_VERSION,
+    Statements,
+    check_version,
+    migrate,
+)
 
 log = logging.getLogger("crewai_idempotent")
 
 T = TypeVar("T")
-
-SCHEMA_VERSION = 1
-DEFAULT_TABLE = "crewai_idempotency_records"
-#: One row per ledger table: (table_name, version). Lives in the same schema as the table.
-VERSIONS_TABLE = "crewai_idempotency_schema"
-# How long past a statement's deadline the client waits before it cuts the connection:
-# long enough for the server's own statement_timeout (same length) to answer cleanly.
-_GRACE_S = 0.25
-# pg_advisory_xact_lock key that serialises migrations of every crewai-idempotent table.
-_MIGRATION_LOCK = int.from_bytes(
-    hashlib.sha256(b"crewai-idempotent migrate").digest()[:8], "big", signed=True
-)
-
-# Statements that bring a table from version N-1 to version N.
-_MIGRATIONS: dict[int, list[str]] = {
-    1: [
-        """CREATE TABLE IF NOT EXISTS {table} (
-            key        TEXT PRIMARY KEY,
-            status     TEXT NOT NULL,
-            token      BIGINT NOT NULL,
-            revision   BIGINT NOT NULL,
-            updated_at DOUBLE PRECISION NOT NULL,
-            doc        TEXT NOT NULL
-        )""",
-        "CREATE INDEX IF NOT EXISTS {index} ON {table} (status, updated_at)",
-    ],
-}
-
-
-def _identifier(name: str, what: str) -> str:
-    """Quote a table or schema name, refusing anything but a plain identifier."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or len(name.encode()) > 63
-        or not (name[0].isalpha() or name[0] == "_")
-        or not all(c.isalnum() or c == "_" for c in name)
-        or not name.isascii()
-    ):
-        raise ValueError(
-            f"{what} must be a plain identifier (letters, digits and _, at most 63 bytes), "
-            f"not {name!r}"
-        )
-    return f'"{name}"'
 
 
 class PostgresCacheBackend(CacheBackend):
@@ -157,7 +121,7 @@ class PostgresCacheBackend(CacheBackend):
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.statement_timeout_s = float(statement_timeout_s)
-        self._sql = _Statements(table, schema)
+        self._sql = Statements(table, schema)
         self._given_pool: ConnectionPool[Any] | None
         if isinstance(dsn_or_pool, ConnectionPool):
             self._given_pool = dsn_or_pool
@@ -179,6 +143,17 @@ class PostgresCacheBackend(CacheBackend):
 
     def __repr__(self) -> str:
         return f"PostgresCacheBackend({self.where!r}, table={self._sql.label!r})"
+
+    @classmethod
+    def from_url(cls, url: str) -> Self:
+        """`postgresql://user:pass@host:port/db?table=...&max_size=...`; libpq's own
+        parameters (sslmode, application_name, ...) go to libpq exactly as written; any
+        other option is refused (`LedgerConfigurationError`)."""
+        parts, options = split_server_options(
+            url, "PostgreSQL", _OPTIONS, libpq_parameters(), _REFUSED
+        )
+        with configuration_errors():
+            return cls(urlunsplit(parts._replace(scheme="postgresql")), **options)
 
     # -- connections -------------------------------------------------------------------
 
@@ -253,7 +228,7 @@ class PostgresCacheBackend(CacheBackend):
         """Every new connection: set the statement timeout and read the server clock,
         in one round trip, within connect_timeout_s (or by `by`, if sooner)."""
         deadline = time.monotonic() + self.connect_timeout_s
-        guard = _watchdog.arm(conn, min(deadline, by or deadline))
+        guard = watchdog.arm(conn, min(deadline, by or deadline))
         sent = time.monotonic()
         try:
             row = conn.execute(
@@ -262,10 +237,10 @@ class PostgresCacheBackend(CacheBackend):
                 (f"{round(self.statement_timeout_s * 1000)}ms",),
             ).fetchone()
         except BaseException:
-            if _watchdog.disarm(guard):
+            if watchdog.disarm(guard):
                 conn.close()
             raise
-        if _watchdog.disarm(guard):
+        if watchdog.disarm(guard):
             conn.close()  # never hand out a connection whose socket was being cut
             raise psycopg.OperationalError("the new connection was cut: it answered too late")
         assert row is not None
@@ -276,7 +251,7 @@ class PostgresCacheBackend(CacheBackend):
         what: str,
         op: Callable[[psycopg.Connection[Any], bool], T],
         resent: bool,
-        budget: _Budget,
+        budget: Budget,
     ) -> T:
         pool = self._pool or self._pool_here()
         conn = self._checkout(pool, what, budget)
@@ -286,7 +261,10 @@ class PostgresCacheBackend(CacheBackend):
             finally:
                 pool.putconn(conn)  # the pool drops a connection that broke or was cut
         # A bridge while the pool reconnects, not a way around max_size: at most two
-        # direct connections at a time, however many threads are waiting.
+        # direct connections at a time, however many threads are waiting. Without it the
+        # server-restart tests still pass, but a call to a server that is down would wait
+        # out timeout_s and say only that no connection came: the pool keeps the cause to
+        # its log. test_postgres_faults.py::test_no_server_means_no_run requires the cause.
         if not self._direct.acquire(timeout=max(budget.connect_by - time.monotonic(), 0.0)):
             raise LedgerUnavailable(
                 f"no connection to PostgreSQL at {self.where} within timeout_s="
@@ -306,12 +284,12 @@ class PostgresCacheBackend(CacheBackend):
         what: str,
         op: Callable[[psycopg.Connection[Any], bool], T],
         resent: bool,
-        budget: _Budget,
+        budget: Budget,
     ) -> T:
         """Run `op` on `conn` within statement_timeout_s (and the operation's budget),
         enforced here as well as on the server."""
         deadline = min(time.monotonic() + self.statement_timeout_s, budget.done_by)
-        guard = _watchdog.arm(conn, deadline + _GRACE_S)
+        guard = watchdog.arm(conn, deadline + GRACE_S)
         try:
             if not self._schema_ready:
                 self._ensure_schema(conn)
@@ -321,7 +299,7 @@ class PostgresCacheBackend(CacheBackend):
                 with conn:  # a pool passed in may hand out connections that open transactions
                     result = op(conn, resent)
         except psycopg.Error as exc:
-            if _watchdog.disarm(guard):
+            if watchdog.disarm(guard):
                 conn.close()
                 raise LedgerUnavailable(
                     f"PostgreSQL at {self.where} did not answer within statement_timeout_s="
@@ -330,15 +308,15 @@ class PostgresCacheBackend(CacheBackend):
                 ) from exc
             raise
         except BaseException:
-            if _watchdog.disarm(guard):
+            if watchdog.disarm(guard):
                 conn.close()
             raise
-        if _watchdog.disarm(guard):
+        if watchdog.disarm(guard):
             conn.close()  # the answer came in time, but the socket was being cut
         return result
 
     def _checkout(
-        self, pool: ConnectionPool[Any], what: str, budget: _Budget
+        self, pool: ConnectionPool[Any], what: str, budget: Budget
     ) -> psycopg.Connection[Any] | None:
         """A live pooled connection, or None when the pool has none to give in time."""
         if self._degraded:
@@ -363,7 +341,7 @@ class PostgresCacheBackend(CacheBackend):
             conn.close()
             pool.putconn(conn)
 
-    def _connect_directly(self, what: str, budget: _Budget) -> psycopg.Connection[Any]:
+    def _connect_directly(self, what: str, budget: Budget) -> psycopg.Connection[Any]:
         """One connection outside the pool, used while the pool cannot provide one.
 
         The pool reconnects in the background with a growing back-off; meanwhile this
@@ -378,7 +356,7 @@ class PostgresCacheBackend(CacheBackend):
         conninfo = pool.conninfo if isinstance(pool.conninfo, str) else self._conninfo
         kwargs = dict(pool.kwargs) if isinstance(pool.kwargs, dict) else {}
         kwargs.setdefault("connect_timeout", max(2, math.ceil(self.connect_timeout_s)))
-        attempt = _Connecting(conninfo, kwargs, self._direct)
+        attempt = Connecting(conninfo, kwargs, self._direct)
         wait = min(self.connect_timeout_s, budget.connect_by - time.monotonic())
         try:
             conn = attempt.result(max(wait, 0.01))
@@ -420,7 +398,7 @@ class PostgresCacheBackend(CacheBackend):
         statement and `retry` is set, `op` runs once more on another connection with
         `resent=True` (the first statement may or may not have been applied), within
         what is left of that time."""
-        budget = _Budget(self.timeout_s, self.statement_timeout_s)
+        budget = Budget(self.timeout_s, self.statement_timeout_s)
         attempts = 2 if retry else 1
         for attempt in range(1, attempts + 1):
             try:
@@ -466,35 +444,9 @@ class PostgresCacheBackend(CacheBackend):
                 if not conn.autocommit:
                     conn.rollback()
             if row is None or row[0] != SCHEMA_VERSION:
-                self._check_version(row[0] if row else 0)
-                self._migrate(conn)
+                check_version(row[0] if row else 0, sql, self.where)
+                migrate(conn, sql, self.where)
             self._schema_ready = True
-
-    def _check_version(self, version: int) -> None:
-        if version > SCHEMA_VERSION:
-            raise LedgerUnavailable(
-                f"ledger table {self._sql.label} at {self.where} has schema version {version}; "
-                f"this crewai-idempotent understands up to {SCHEMA_VERSION}. "
-                "Upgrade crewai-idempotent."
-            )
-
-    def _migrate(self, conn: psycopg.Connection[Any]) -> None:
-        sql = self._sql
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-            if self.schema is not None:
-                conn.execute(f"CREATE SCHEMA IF NOT EXISTS {_identifier(self.schema, 'schema')}")
-            conn.execute(sql.create_versions)
-            row = conn.execute(sql.version, (self.table,)).fetchone()
-            version = row[0] if row else 0
-            self._check_version(version)
-            for step in range(version + 1, SCHEMA_VERSION + 1):
-                for statement in _MIGRATIONS[step]:
-                    conn.execute(statement.format(table=sql.table, index=sql.index))
-            conn.execute(sql.set_version, (self.table, SCHEMA_VERSION))
-        if row is None or row[0] != SCHEMA_VERSION:
-            log.info("ledger table %s at %s is at schema version %d", sql.label, self.where,
-                     SCHEMA_VERSION)  # fmt: skip
 
     # -- clock -------------------------------------------------------------------------
 
@@ -609,49 +561,6 @@ class PostgresCacheBackend(CacheBackend):
             pool.close(timeout=5.0)
 
 
-class _Statements:
-    """The SQL for one table, rendered once."""
-
-    def __init__(self, table: str, schema: str | None) -> None:
-        prefix = f"{_identifier(schema, 'schema')}." if schema is not None else ""
-        self.label = f"{schema}.{table}" if schema is not None else table
-        t = self.table = prefix + _identifier(table, "table")
-        digest = hashlib.sha256(self.label.encode()).hexdigest()[:8]
-        self.index = _identifier(f"{table[:40]}_{digest}_status", "index")
-        versions = prefix + _identifier(VERSIONS_TABLE, "table")
-        self.create_versions = (
-            f"CREATE TABLE IF NOT EXISTS {versions} ("
-            "table_name TEXT PRIMARY KEY, version INTEGER NOT NULL, "
-            "migrated_at TIMESTAMPTZ NOT NULL DEFAULT now())"
-        )
-        self.version = f"SELECT version FROM {versions} WHERE table_name = %s"
-        self.set_version = (
-            f"INSERT INTO {versions} (table_name, version) VALUES (%s, %s) "
-            "ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, migrated_at = now()"
-        )
-        # One statement: the insert-if-absent, and the holder when the key is taken.
-        # No row back means the holder committed after this statement's snapshot.
-        self.claim = (
-            f"WITH claimed AS (INSERT INTO {t} (key, status, token, revision, updated_at, doc) "
-            "VALUES (%(key)s, %(status)s, %(token)s, %(revision)s, %(updated_at)s, %(doc)s) "
-            "ON CONFLICT (key) DO NOTHING RETURNING key) "
-            "SELECT NULL::text FROM claimed UNION ALL "
-            f"SELECT doc FROM {t} WHERE key = %(key)s AND NOT EXISTS (SELECT FROM claimed)"
-        )
-        update = (
-            f"UPDATE {t} SET status = %(status)s, token = %(token)s, revision = %(revision)s, "
-            "updated_at = %(updated_at)s, doc = %(doc)s WHERE key = %(key)s AND "
-        )
-        self.replace = (
-            update + "((token = %(current_token)s AND revision = %(current_revision)s) OR "
-            "(token = %(token)s AND revision = %(revision)s AND doc = %(doc)s))"
-        )
-        self.get = f"SELECT doc FROM {t} WHERE key = %s"
-        self.scan_all = f"SELECT doc FROM {t} ORDER BY updated_at, key"
-        self.scan_status = f"SELECT doc FROM {t} WHERE status = %s ORDER BY updated_at, key"
-        self.delete = f"DELETE FROM {t} WHERE key = %s AND token = %s AND revision = %s"
-
-
 def _alive(conn: psycopg.Connection[Any]) -> bool:
     """Whether an idle connection is still open, without a round trip.
 
@@ -686,148 +595,6 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-class _Budget:
-    """The time one operation may take: until `connect_by` to get a connection (pooled,
-    or new), and until `done_by` in all, statements and a resend included."""
-
-    __slots__ = ("connect_by", "done_by")
-
-    def __init__(self, timeout_s: float, statement_timeout_s: float) -> None:
-        self.connect_by = time.monotonic() + timeout_s
-        self.done_by = self.connect_by + statement_timeout_s
-
-
-class _Guard:
-    __slots__ = ("conn", "deadline", "fired")
-
-    def __init__(self, conn: psycopg.Connection[Any], deadline: float) -> None:
-        self.conn = conn
-        self.deadline = deadline
-        self.fired = False
-
-
-class _Watchdog:
-    """Cuts the connections whose deadline passed while a statement was in flight.
-
-    `arm` before using a connection, `disarm` after: True means the socket was shut down
-    (the blocked call then fails, or its answer arrived just in time) and the connection
-    must be discarded. Shutting down a duplicate of the socket's descriptor ends the
-    connection for every descriptor sharing it, so the read that blocked returns at once;
-    the connection itself is closed by the thread that used it, never here. One thread
-    serves every backend in the process; it sleeps until the earliest deadline, and only
-    when nothing is armed does an `arm` need to wake it.
-    """
-
-    def __init__(self) -> None:
-        self._reset()
-        _fork.register(self)
-
-    def _reset(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._armed: set[_Guard] = set()
-        self._wake_at: float | None = None  # None: asleep until an arm wakes it
-        self._thread: threading.Thread | None = None
-
-    def arm(self, conn: psycopg.Connection[Any], deadline: float) -> _Guard:
-        guard = _Guard(conn, deadline)
-        with self._cond:
-            self._armed.add(guard)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._watch, name="crewai-idempotent-pg-watchdog", daemon=True
-                )
-                self._thread.start()
-            elif self._wake_at is None or deadline < self._wake_at:
-                self._cond.notify()
-        return guard
-
-    def disarm(self, guard: _Guard) -> bool:
-        with self._cond:
-            self._armed.discard(guard)
-            return guard.fired
-
-    def _watch(self) -> None:
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                for guard in [g for g in self._armed if g.deadline <= now]:
-                    self._armed.discard(guard)
-                    guard.fired = True
-                    _shut_down(guard.conn)
-                self._wake_at = min((g.deadline for g in self._armed), default=None)
-                self._cond.wait(None if self._wake_at is None else self._wake_at - now)
-
-    # A child has no watchdog thread, and must never cut a connection it inherited: the
-    # socket is the parent's too.
-    def before_fork(self) -> None:
-        pass
-
-    def after_fork_in_parent(self) -> None:
-        pass
-
-    def after_fork_in_child(self) -> None:
-        self._reset()
-
-
-def _shut_down(conn: psycopg.Connection[Any]) -> None:
-    try:
-        fd = conn.pgconn.socket
-        with socket.socket(fileno=os.dup(fd)) as dup:
-            dup.shutdown(socket.SHUT_RDWR)
-    except (OSError, psycopg.Error):
-        pass  # already closed: whatever was blocked on it has returned
-
-
-_watchdog = _Watchdog()
-
-
-class _Connecting:
-    """A connection attempt in a thread of its own, so that waiting for it can stop at
-    any moment. An attempt nobody waits for any more closes its connection, if it gets
-    one, and releases `slot` when it ends; otherwise the caller owns both."""
-
-    def __init__(
-        self, conninfo: str, kwargs: dict[str, Any], slot: threading.BoundedSemaphore
-    ) -> None:
-        self._conninfo, self._kwargs, self._slot = conninfo, kwargs, slot
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._abandoned = False
-        self._conn: psycopg.Connection[Any] | None = None
-        self._error: psycopg.Error | None = None
-        threading.Thread(
-            target=self._connect, name="crewai-idempotent-connect", daemon=True
-        ).start()
-
-    def _connect(self) -> None:
-        try:
-            conn: psycopg.Connection[Any] | None = psycopg.connect(self._conninfo, **self._kwargs)
-        except psycopg.Error as exc:
-            conn, self._error = None, exc
-        with self._lock:
-            self._conn = conn
-            self._done.set()
-            if not self._abandoned:
-                return
-        if conn is not None:
-            conn.close()
-        self._slot.release()
-
-    def result(self, wait_s: float) -> psycopg.Connection[Any]:
-        """The connection; psycopg.Error if the attempt failed; TimeoutError if it did not
-        end within `wait_s` (the attempt is abandoned)."""
-        self._done.wait(wait_s)
-        with self._lock:
-            if not self._done.is_set():
-                self._abandoned = True
-                raise TimeoutError
-        if self._conn is None:
-            self._slot.release()
-            assert self._error is not None
-            raise self._error
-        return self._conn
-
-
 _abandoned: list[ConnectionPool[Any]] = []
 
 
@@ -860,11 +627,3 @@ _REFUSED = {
 def libpq_parameters() -> frozenset[str]:
     """The connection parameters the installed libpq knows (sslmode, application_name...)."""
     return frozenset(d.keyword.decode() for d in Conninfo.get_defaults()) - set(_REFUSED)
-
-
-def from_url(url: str) -> PostgresCacheBackend:
-    """`postgresql://user:pass@host:port/db?table=...&max_size=...`; libpq's own
-    parameters (sslmode, application_name, ...) go to libpq exactly as written; any other
-    option is refused."""
-    parts, options = split_server_options(url, "PostgreSQL", _OPTIONS, libpq_parameters(), _REFUSED)
-    return PostgresCacheBackend(urlunsplit(parts._replace(scheme="postgresql")), **options)

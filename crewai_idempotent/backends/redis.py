@@ -4,19 +4,19 @@ Each record is a hash (`status`, `token`, `revision`, `doc`) under `<prefix>r:<k
 each status has a sorted set `<prefix>i:<STATUS>` of keys scored by their last update, so
 listing the UNCERTAIN records never walks the whole keyspace.
 
-Every operation that writes is one Lua script, which Redis runs atomically: the claim is
-"create the record unless the key exists, else return the holder", and every later
-transition is "write only if the stored token and revision still match". Nothing is read
-in one round trip and written in another. The scripts are idempotent (a script whose
-effect is already stored reports success), so redis-py may safely send one again after a
-connection drops before the reply.
+Every operation that writes is one Lua script (`_redis_scripts`), which Redis runs
+atomically: the claim is "create the record unless the key exists, else return the
+holder", and every later transition is "write only if the stored token and revision still
+match". Nothing is read in one round trip and written in another. The scripts are
+idempotent (a script whose effect is already stored reports success), so this backend may
+safely send one again after a connection drops before the reply.
 
 How durable a claim is depends on the server's persistence settings: see docs/backends.md.
 The backend warns when the server it talks to persists nothing, or only RDB snapshots.
 
 Every operation ends within `timeout_s`, resends included: the socket timeouts of each
-attempt are set to the time the operation has left, so neither a frozen server nor a
-network that drops packets can stretch it.
+attempt are set to the time the operation has left (`_redis_deadline`), so neither a
+frozen server nor a network that drops packets can stretch it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 try:
@@ -51,7 +51,9 @@ from .._backend import CacheBackend
 from .._errors import LedgerUnavailable
 from .._record import Record, Status
 from ._clock import ServerClock
-from ._options import flag, split_server_options
+from ._options import configuration_errors, flag, split_server_options
+from ._redis_deadline import bounded, deadline
+from ._redis_scripts import CLAIM, DELETE, REPLACE
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -59,51 +61,6 @@ T = TypeVar("T")
 
 DEFAULT_PREFIX = "crewai-idempotent:"
 _STATUSES = (Status.PENDING, Status.COMMITTED, Status.FAILED, Status.UNCERTAIN)
-
-# KEYS[1] the record; KEYS[2] the index of the new status.
-# ARGV: key, status, token, revision, updated_at, doc, resent (1 when sent again after a lost
-# reply: finding exactly our record then means the first send landed; owner ids are random,
-# so no one else's record is ever identical). Returns nil if stored, else the holder.
-_CLAIM = """
-local held = redis.call('HGET', KEYS[1], 'doc')
-if held then
-    if ARGV[7] == '1' and held == ARGV[6] then return false end
-    return held
-end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'token', ARGV[3], 'revision', ARGV[4],
-           'doc', ARGV[6])
-redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
-return false
-"""
-
-# KEYS[1] the record; KEYS[2..5] the PENDING, COMMITTED, FAILED, UNCERTAIN indexes.
-# ARGV: key, current token, current revision, status, token, revision, updated_at, doc.
-# A record already equal to the new one counts as replaced: an earlier send of this same
-# write landed and its reply was lost (no other writer produces an identical record: each
-# carries its time and a random owner id).
-_REPLACE = """
-local held = redis.call('HMGET', KEYS[1], 'status', 'token', 'revision', 'doc')
-if held[2] ~= ARGV[2] or held[3] ~= ARGV[3] then
-    if held[2] == ARGV[5] and held[3] == ARGV[6] and held[4] == ARGV[8] then return 1 end
-    return 0
-end
-local index = {PENDING = KEYS[2], COMMITTED = KEYS[3], FAILED = KEYS[4], UNCERTAIN = KEYS[5]}
-redis.call('HSET', KEYS[1], 'status', ARGV[4], 'token', ARGV[5], 'revision', ARGV[6],
-           'doc', ARGV[8])
-if held[1] ~= ARGV[4] then redis.call('ZREM', index[held[1]], ARGV[1]) end
-redis.call('ZADD', index[ARGV[4]], ARGV[7], ARGV[1])
-return 1
-"""
-
-# KEYS as for _REPLACE; ARGV: key, token, revision.
-_DELETE = """
-local held = redis.call('HMGET', KEYS[1], 'status', 'token', 'revision')
-if held[2] ~= ARGV[2] or held[3] ~= ARGV[3] then return 0 end
-local index = {PENDING = KEYS[2], COMMITTED = KEYS[3], FAILED = KEYS[4], UNCERTAIN = KEYS[5]}
-redis.call('DEL', KEYS[1])
-redis.call('ZREM', index[held[1]], ARGV[1])
-return 1
-"""
 
 
 class RedisDurabilityWarning(UserWarning):
@@ -179,10 +136,10 @@ class RedisCacheBackend(CacheBackend):
                 retry=Retry(NoBackoff(), 0),
             )
             pool = self.client.connection_pool
-            pool.connection_class = _bounded(pool.connection_class)
-        self._claim = self.client.register_script(_CLAIM)
-        self._replace = self.client.register_script(_REPLACE)
-        self._delete = self.client.register_script(_DELETE)
+            pool.connection_class = bounded(pool.connection_class)
+        self._claim = self.client.register_script(CLAIM)
+        self._replace = self.client.register_script(REPLACE)
+        self._delete = self.client.register_script(DELETE)
 
     # -- fork() (see _fork) ------------------------------------------------------------
 
@@ -208,6 +165,18 @@ class RedisCacheBackend(CacheBackend):
     def __repr__(self) -> str:
         return f"RedisCacheBackend({self.where!r}, prefix={self.prefix!r})"
 
+    @classmethod
+    def from_url(cls, url: str) -> Self:
+        """`redis://[:password@]host:port/db?prefix=...`, `rediss://` for TLS; redis-py's
+        own options (client_name, ssl_ca_certs, ...) go to redis-py exactly as written;
+        any other option is refused (`LedgerConfigurationError`)."""
+        scheme = urlsplit(url).scheme.lower()
+        parts, options = split_server_options(
+            url, "Redis", _OPTIONS, redis_py_options(scheme), _REFUSED
+        )
+        with configuration_errors():
+            return cls(urlunsplit(parts), **options)
+
     def _record_key(self, key: str) -> str:
         return f"{self.prefix}r:{key}"
 
@@ -221,9 +190,9 @@ class RedisCacheBackend(CacheBackend):
         the scripts account for that."""
         if self._closed:
             raise LedgerUnavailable(f"{self!r} is closed")
-        outer = getattr(_deadline, "at", None)
-        deadline = time.monotonic() + self.timeout_s
-        _deadline.at = deadline if outer is None else min(outer, deadline)
+        outer = getattr(deadline, "at", None)
+        ends = time.monotonic() + self.timeout_s
+        deadline.at = ends if outer is None else min(outer, ends)
         try:
             if not self._checked:
                 self._check_server()
@@ -233,7 +202,7 @@ class RedisCacheBackend(CacheBackend):
                 try:
                     return op(attempt > 1)
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    left = _deadline.at - time.monotonic()
+                    left = deadline.at - time.monotonic()
                     if (
                         attempt == attempts
                         or left <= delay
@@ -247,7 +216,7 @@ class RedisCacheBackend(CacheBackend):
                     raise LedgerUnavailable(self._explain(exc, what)) from exc
             raise AssertionError("unreachable")
         finally:
-            _deadline.at = outer
+            deadline.at = outer
 
     def _explain(self, exc: BaseException, what: str) -> str:
         if isinstance(exc, redis.TimeoutError):
@@ -425,55 +394,6 @@ def _describe(client: redis.Redis) -> str:
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
 
 
-# The deadline of the operation this thread is running, read by the connections' socket
-# timeouts (see _bounded).
-_deadline = threading.local()
-
-
-class _DeadlineBound:
-    """Mixed into redis-py's connection class: every socket wait (connecting, sending,
-    reading a reply) is limited to the time the current operation has left."""
-
-    socket_connect_timeout: float | None
-    _sock: Any
-
-    def _left(self) -> float | None:
-        at: float | None = getattr(_deadline, "at", None)
-        # A wait of almost nothing times out at once, through redis-py's own path, which
-        # drops the connection so no late reply is read by the next command.
-        return None if at is None else max(at - time.monotonic(), 0.001)
-
-    def _connect(self) -> Any:
-        left = self._left()
-        if left is not None:
-            self.socket_connect_timeout = left
-        return super()._connect()  # type: ignore[misc]
-
-    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        self._bound_socket()
-        super().send_packed_command(command, check_health)  # type: ignore[misc]
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        self._bound_socket()
-        return super().read_response(*args, **kwargs)  # type: ignore[misc]
-
-    def _bound_socket(self) -> None:
-        left = self._left()
-        if left is not None and self._sock is not None:
-            self._sock.settimeout(left)
-
-
-_bounded_classes: dict[type[Any], type[Any]] = {}
-
-
-def _bounded(cls: type[Any]) -> type[Any]:
-    if issubclass(cls, _DeadlineBound):
-        return cls
-    if cls not in _bounded_classes:
-        _bounded_classes[cls] = type(f"DeadlineBound{cls.__name__}", (_DeadlineBound, cls), {})
-    return _bounded_classes[cls]
-
-
 # URL options: the backend's own, and redis-py's connection options that a URL can carry.
 _OPTIONS: dict[str, Callable[[str], Any]] = {
     "prefix": str,
@@ -522,14 +442,3 @@ def redis_py_options(scheme: str) -> frozenset[str]:
             if "__init__" in vars(klass):
                 known |= set(inspect.signature(vars(klass)["__init__"]).parameters)
     return frozenset(known & _PLAIN_OPTIONS)
-
-
-def from_url(url: str) -> RedisCacheBackend:
-    """`redis://[:password@]host:port/db?prefix=...`, `rediss://` for TLS; redis-py's own
-    options (client_name, ssl_ca_certs, ...) go to redis-py exactly as written; any other
-    option is refused."""
-    scheme = urlsplit(url).scheme.lower()
-    parts, options = split_server_options(
-        url, "Redis", _OPTIONS, redis_py_options(scheme), _REFUSED
-    )
-    return RedisCacheBackend(urlunsplit(parts), **options)

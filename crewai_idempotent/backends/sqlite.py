@@ -1,16 +1,12 @@
 """The embedded default: one SQLite file in WAL mode, one connection per thread.
 
-Surviving fork(). SQLite keeps, per process, a table of the files it has open and of the
-POSIX locks it believes it holds on them. A forked child inherits that table but not the
-locks (fcntl locks belong to a process), so a connection the child opens, even a fresh
-one, trusts locks nobody holds: the parent's last close then checkpoints and deletes the
-WAL while the child still writes to it, and the two processes split the ledger. The
-SQLite documentation says an open database must not cross fork(). So, around every fork,
-each backend lets its running operations finish, blocks new ones and closes every
-connection it has, which leaves SQLite's table empty for the file; the parent reopens on
-its next operation and the child opens its own. A backend that could not do that (an
-operation outlived the wait, or the fork bypassed os.register_at_fork) refuses every
-operation on that file in the child, with a LedgerUnavailable that says what to do.
+Every operation checks that the file is still the one opened (a ledger deleted or replaced
+under a running process must not become an empty one), and the file and its -wal and -shm
+must belong to this user (`_paths`). Around fork() every backend closes its connections so
+that no SQLite state crosses into the child (`_sqlite_fork` says why and how).
+
+The module is one class with its statements: the connections, the fork hooks and the
+identity checks share the backend's state, and splitting them would scatter one story.
 """
 
 from __future__ import annotations
@@ -24,13 +20,16 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
+from urllib.parse import quote, unquote, urlsplit
 
 from .. import _fork
 from .._backend import CacheBackend
-from .._errors import LedgerUnavailable
+from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._record import Peek, Record, Status
+from ._options import flag, local_options, seconds
 from ._paths import check_existing_file, private_file
+from ._sqlite_fork import Gate, refusal_message, taint, tainted
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")
@@ -59,51 +58,6 @@ _GET = "SELECT doc FROM idempotency_records WHERE key = ?"
 _DELETE = "DELETE FROM idempotency_records WHERE key = ? AND token = ? AND revision = ?"
 
 
-class _Gate:
-    """Operations run concurrently; fork() waits for the running ones and blocks new ones."""
-
-    __slots__ = ("_active", "_closed", "_cond", "_lock")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._active = 0
-        self._closed = False
-
-    def enter(self) -> None:
-        with self._lock:  # the plain lock: this runs on every operation
-            if not self._closed:
-                self._active += 1
-                return
-        with self._cond:
-            while self._closed:
-                self._cond.wait()
-            self._active += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self._active -= 1
-            if self._closed and not self._active:
-                self._cond.notify_all()
-
-    def close(self, timeout: float) -> bool:
-        """Block new operations; True once none runs, False if some still ran at `timeout`."""
-        with self._cond:
-            self._closed = True
-            return self._cond.wait_for(lambda: not self._active, timeout)
-
-    def open(self) -> None:
-        with self._cond:
-            self._closed = False
-            self._cond.notify_all()
-
-
-# Connections a forked child inherited while they were in use: the child must never close
-# them (sqlite3_close would act on locks and a WAL index the child does not own), not even
-# when the interpreter exits, so each gets a reference that is never released.
-_inherited: list[sqlite3.Connection] = []
-# Files whose SQLite bookkeeping this process inherited in an unknown state; (st_dev, st_ino).
-_tainted: dict[tuple[int, int], str] = {}
 _backends: weakref.WeakSet[SQLiteCacheBackend] = weakref.WeakSet()
 
 
@@ -152,7 +106,7 @@ class SQLiteCacheBackend(CacheBackend):
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        self._gate = _Gate()
+        self._gate = Gate()
         self._pid = os.getpid()
         self._quiesced = False
         self._closed = False
@@ -161,6 +115,57 @@ class SQLiteCacheBackend(CacheBackend):
 
     def __repr__(self) -> str:
         return f"SQLiteCacheBackend({str(self.path)!r}, synchronous={self.synchronous!r})"
+
+    # -- URL (SQLAlchemy's convention) ---------------------------------------------------
+
+    @classmethod
+    def from_url(cls, url: str) -> Self:
+        """`sqlite:///relative.db` (relative to the current directory, made absolute now),
+        `sqlite:////abs/ledger.db`, with the options `synchronous`, `busy_timeout_s` and
+        `allow_insecure_path`; anything else is a `LedgerConfigurationError`."""
+        options = local_options(url, _URL_OPTIONS, "sqlite")
+        path = cls.path_from_url(url)
+        try:
+            return cls(path, **options)
+        except ValueError as exc:
+            raise LedgerConfigurationError(f"{url!r}: {exc}") from None
+
+    @staticmethod
+    def path_from_url(url: str) -> Path:
+        """The absolute file a `sqlite:` URL names, without opening it."""
+        parts = urlsplit(url)
+        if parts.netloc:
+            raise LedgerConfigurationError(
+                f"{url!r}: a sqlite URL has no host ({parts.netloc!r}); write "
+                "sqlite:///relative.db or sqlite:////absolute/path.db"
+            )
+        if not parts.path.startswith("/") or parts.path == "/":
+            raise LedgerConfigurationError(
+                f"{url!r} names no file (SQLAlchemy's in-memory form is not a durable ledger; "
+                "use memory:// in tests); write sqlite:///relative.db or "
+                "sqlite:////absolute/path.db"
+            )
+        text = unquote(parts.path[1:])
+        if text == ":memory:":
+            raise LedgerConfigurationError(
+                f"{url!r} is an in-memory SQLite database, not a durable ledger; use memory:// "
+                "in tests, or name a file"
+            )
+        path = Path(text)
+        if path.is_absolute():
+            return path
+        absolute = Path("/", text)
+        resolved = Path.cwd() / path
+        if not resolved.exists() and absolute.is_file():
+            # Development versions read three slashes as an absolute path: refuse rather
+            # than start an empty ledger next to the one holding the receipts.
+            raise LedgerConfigurationError(
+                f"{url!r} names {resolved} (three slashes: relative to the current directory, "
+                f"as in SQLAlchemy), which does not exist, while {absolute} does. For the "
+                f"existing ledger write sqlite:///{absolute} (four slashes); to start one "
+                "here, create the folder first or give the path as ./" + text
+            )
+        return resolved
 
     # -- fork ----------------------------------------------------------------------------
 
@@ -177,7 +182,7 @@ class SQLiteCacheBackend(CacheBackend):
 
     def after_fork_in_child(self) -> None:
         # Threads that waited at the gate did not cross the fork: a fresh gate.
-        self._gate = _Gate()
+        self._gate = Gate()
         self._pid = os.getpid()
         if not self._quiesced and self._connections:
             self._refuse_file(
@@ -188,30 +193,16 @@ class SQLiteCacheBackend(CacheBackend):
 
     def _refuse_file(self, why: str) -> None:
         """In a child: keep the inherited connections unclosed forever and refuse the file."""
-        import ctypes
-
         with self._lock:
             connections, self._connections = self._connections, []
-        for conn in connections:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(conn))
-            _inherited.append(conn)
         self._local = threading.local()
-        _tainted[self._identity] = why
-
-    def _refusal_message(self, why: str) -> str:
-        return (
-            f"the SQLite ledger {self.path} cannot be used in this process (pid {os.getpid()}): "
-            f"it was inherited through fork() with SQLite connections open, and {why}. SQLite "
-            "locks do not survive fork(), so using the file here could split the ledger. "
-            "Open the ledger in the child after the fork (in the worker's start-up hook), or "
-            "start workers with the 'spawn' or 'forkserver' method"
-        )
+        taint(self._identity, why, connections)
 
     def _forked_without_hook(self) -> None:
         # os.fork() always runs the hooks; a fork made in C (or through ctypes) does not.
         if self._connections:
             self._refuse_file("the fork bypassed os.register_at_fork")
-        self._gate = _Gate()
+        self._gate = Gate()
         self._pid = os.getpid()
 
     # -- connections -------------------------------------------------------------------
@@ -234,11 +225,9 @@ class SQLiteCacheBackend(CacheBackend):
     def _connect(self, slot: str, synchronous: str) -> sqlite3.Connection:
         if self._closed:
             raise LedgerUnavailable(f"{self!r} is closed")
-        why = _tainted.get(self._identity)
-        if why is None:
-            why = _inherited_without_hook(self._identity)
+        why = tainted(self._identity) or _inherited_without_hook(self._identity)
         if why is not None:
-            raise LedgerUnavailable(self._refusal_message(why))
+            raise LedgerUnavailable(refusal_message(self.path, why))
         conn = self._open(synchronous)
         setattr(self._local, slot, conn)
         with self._lock:
@@ -472,6 +461,18 @@ class SQLiteCacheBackend(CacheBackend):
                 self._local = threading.local()
         finally:
             self._gate.open()
+
+
+_URL_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "synchronous": str,
+    "busy_timeout_s": seconds,
+    "allow_insecure_path": flag,
+}
+
+
+def sqlite_url(path: str | os.PathLike[str]) -> str:
+    """The `sqlite:` URL of `path`, made absolute."""
+    return "sqlite:///" + quote(str(Path(path).absolute()), safe="/")
 
 
 def _insert(conn: sqlite3.Connection, params: tuple[Any, ...]) -> str | None:

@@ -272,7 +272,7 @@ def env_backend() -> CacheBackend | None:
     """The ledger CREWAI_IDEMPOTENCY_URL names, or None if it is unset or blank.
 
     `LedgerConfigurationError` naming the variable if it cannot be used."""
-    from ..backends._url import redact
+    from ..backends._options import redact
 
     url = os.environ.get(URL_ENV, "").strip()
     if not url:

@@ -1,0 +1,135 @@
+"""The PostgreSQL ledger's table: its SQL, its version, and migrating it.
+
+One row per key; the record itself is the JSON `doc`, and `status`, `token`, `revision`
+and `updated_at` are copied out of it for the compare-and-set and for listing by status.
+Each ledger table's version is a row of `crewai_idempotency_schema` in the same schema.
+Migrations run under one advisory lock, so many workers can start at once, and a table
+newer than this code is refused rather than written in a format it does not know.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .._errors import LedgerUnavailable
+
+if TYPE_CHECKING:
+    import psycopg
+
+log = logging.getLogger("crewai_idempotent")
+
+SCHEMA_VERSION = 1
+DEFAULT_TABLE = "crewai_idempotency_records"
+#: One row per ledger table: (table_name, version). Lives in the same schema as the table.
+VERSIONS_TABLE = "crewai_idempotency_schema"
+# pg_advisory_xact_lock key that serialises migrations of every crewai-idempotent table.
+_MIGRATION_LOCK = int.from_bytes(
+    hashlib.sha256(b"crewai-idempotent migrate").digest()[:8], "big", signed=True
+)
+
+# Statements that bring a table from version N-1 to version N.
+_MIGRATIONS: dict[int, list[str]] = {
+    1: [
+        """CREATE TABLE IF NOT EXISTS {table} (
+            key        TEXT PRIMARY KEY,
+            status     TEXT NOT NULL,
+            token      BIGINT NOT NULL,
+            revision   BIGINT NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL,
+            doc        TEXT NOT NULL
+        )""",
+        "CREATE INDEX IF NOT EXISTS {index} ON {table} (status, updated_at)",
+    ],
+}
+
+
+def identifier(name: str, what: str) -> str:
+    """Quote a table or schema name, refusing anything but a plain identifier."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name.encode()) > 63
+        or not (name[0].isalpha() or name[0] == "_")
+        or not all(c.isalnum() or c == "_" for c in name)
+        or not name.isascii()
+    ):
+        raise ValueError(
+            f"{what} must be a plain identifier (letters, digits and _, at most 63 bytes), "
+            f"not {name!r}"
+        )
+    return f'"{name}"'
+
+
+class Statements:
+    """The SQL for one table, rendered once."""
+
+    def __init__(self, table: str, schema: str | None) -> None:
+        self.table_name, self.schema_name = table, schema
+        prefix = f"{identifier(schema, 'schema')}." if schema is not None else ""
+        self.label = f"{schema}.{table}" if schema is not None else table
+        t = self.table = prefix + identifier(table, "table")
+        digest = hashlib.sha256(self.label.encode()).hexdigest()[:8]
+        self.index = identifier(f"{table[:40]}_{digest}_status", "index")
+        versions = prefix + identifier(VERSIONS_TABLE, "table")
+        self.create_versions = (
+            f"CREATE TABLE IF NOT EXISTS {versions} ("
+            "table_name TEXT PRIMARY KEY, version INTEGER NOT NULL, "
+            "migrated_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+        self.version = f"SELECT version FROM {versions} WHERE table_name = %s"
+        self.set_version = (
+            f"INSERT INTO {versions} (table_name, version) VALUES (%s, %s) "
+            "ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, migrated_at = now()"
+        )
+        # One statement: the insert-if-absent, and the holder when the key is taken.
+        # No row back means the holder committed after this statement's snapshot.
+        self.claim = (
+            f"WITH claimed AS (INSERT INTO {t} (key, status, token, revision, updated_at, doc) "
+            "VALUES (%(key)s, %(status)s, %(token)s, %(revision)s, %(updated_at)s, %(doc)s) "
+            "ON CONFLICT (key) DO NOTHING RETURNING key) "
+            "SELECT NULL::text FROM claimed UNION ALL "
+            f"SELECT doc FROM {t} WHERE key = %(key)s AND NOT EXISTS (SELECT FROM claimed)"
+        )
+        update = (
+            f"UPDATE {t} SET status = %(status)s, token = %(token)s, revision = %(revision)s, "
+            "updated_at = %(updated_at)s, doc = %(doc)s WHERE key = %(key)s AND "
+        )
+        self.replace = (
+            update + "((token = %(current_token)s AND revision = %(current_revision)s) OR "
+            "(token = %(token)s AND revision = %(revision)s AND doc = %(doc)s))"
+        )
+        self.get = f"SELECT doc FROM {t} WHERE key = %s"
+        self.scan_all = f"SELECT doc FROM {t} ORDER BY updated_at, key"
+        self.scan_status = f"SELECT doc FROM {t} WHERE status = %s ORDER BY updated_at, key"
+        self.delete = f"DELETE FROM {t} WHERE key = %s AND token = %s AND revision = %s"
+
+
+def check_version(version: int, sql: Statements, where: str) -> None:
+    """Refuse a table written by a newer crewai-idempotent."""
+    if version > SCHEMA_VERSION:
+        raise LedgerUnavailable(
+            f"ledger table {sql.label} at {where} has schema version {version}; "
+            f"this crewai-idempotent understands up to {SCHEMA_VERSION}. "
+            "Upgrade crewai-idempotent."
+        )
+
+
+def migrate(conn: psycopg.Connection[Any], sql: Statements, where: str) -> None:
+    """Create the table, or bring it to SCHEMA_VERSION, in one transaction."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        if sql.schema_name is not None:
+            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {identifier(sql.schema_name, 'schema')}")
+        conn.execute(sql.create_versions)
+        row = conn.execute(sql.version, (sql.table_name,)).fetchone()
+        version = row[0] if row else 0
+        check_version(version, sql, where)
+        for step in range(version + 1, SCHEMA_VERSION + 1):
+            for statement in _MIGRATIONS[step]:
+                conn.execute(statement.format(table=sql.table, index=sql.index))
+        conn.execute(sql.set_version, (sql.table_name, SCHEMA_VERSION))
+    if row is None or row[0] != SCHEMA_VERSION:
+        log.info("ledger table %s at %s is at schema version %d", sql.label, where,
+                 SCHEMA_VERSION)  # fmt: skip
