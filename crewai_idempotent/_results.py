@@ -231,6 +231,23 @@ def unrestorable(payload: Any) -> list[str]:
     return missing
 
 
+def describe(payload: Any) -> tuple[str, Any]:
+    """For people: what kind of value a stored payload holds, and its stored data (tags
+    and all), without importing any class it names."""
+    if not isinstance(payload, dict):
+        return "?", payload
+    kind = payload.get("t")
+    if kind == "pydantic":
+        what = str(payload.get("cls"))
+    elif kind == "str":
+        what = f"str() of {payload.get('type')}"
+    elif kind == "typed":
+        what = "json with tagged types"
+    else:
+        what = "json"
+    return what, payload.get("v")
+
+
 def _quiet_import(path: Any, what: str) -> bool:
     logger = logging.getLogger("crewai_idempotent")
     previous = logger.disabled

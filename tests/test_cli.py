@@ -193,6 +193,30 @@ def test_show_json_is_the_record(url: str, populated: Ledger) -> None:
     assert Record.from_json(json.dumps(data)) == populated.get("order-stale")
 
 
+@pytest.mark.parametrize(
+    ("payload", "label", "shown"),
+    [
+        ({"t": "json", "v": {"id": "ch_j"}}, "result (json)", '"id": "ch_j"'),
+        ({"t": "typed", "v": {"$t": "tuple", "v": ["a"]}}, "result (json with tagged types)",
+         '"$t": "tuple"'),
+        ({"t": "pydantic", "cls": "gone.module:Receipt", "v": {"id": "ch_p"}},
+         "result (gone.module:Receipt)", '"id": "ch_p"'),
+        ({"t": "str", "v": "<Receipt ch_s>", "type": "Receipt"}, "result (str() of Receipt)",
+         '"<Receipt ch_s>"'),
+    ],
+)  # fmt: skip
+def test_show_names_the_stored_result_kind_without_importing_it(
+    url: str, populated: Ledger, payload: dict[str, Any], label: str, shown: str
+) -> None:
+    held = _fenced(populated, "order-kinds")
+    stored = replace(held, revision=held.revision + 1, result=payload)
+    assert populated.backend.replace(held, stored)
+    result = cli(url, "show", "order-kinds")
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if line.startswith("result ("))
+    assert line.startswith(label) and shown in result.stdout.split(label, 1)[1]
+
+
 def test_show_unknown_key(url: str, populated: Ledger) -> None:
     result = cli(url, "show", "order-nope")
     assert result.exit_code == 1
@@ -378,9 +402,9 @@ def test_demo_calls_run_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         console.print("demo ran")
         return 3
 
-    fake = types.ModuleType("crewai_idempotent.demo")
+    fake = types.ModuleType("crewai_idempotent.integration._demo")
     fake.run_demo = run_demo  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "crewai_idempotent.demo", fake)
+    monkeypatch.setitem(sys.modules, "crewai_idempotent.integration._demo", fake)
     target = str(tmp_path / "demo.db")
     env = {"CREWAI_IDEMPOTENCY_URL": "sqlite:///must/not/be/used.db"}
     result = cli(None, "demo", "--ledger-path", target, env=env)
@@ -390,7 +414,7 @@ def test_demo_calls_run_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 
 
 def test_demo_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "crewai_idempotent.demo", None)
+    monkeypatch.setitem(sys.modules, "crewai_idempotent.integration._demo", None)
     result = cli(None, "demo")
     assert result.exit_code == 1 and "the demo is not available" in result.stderr
 

@@ -1,6 +1,6 @@
 """Every execution path x every retry source, on the installed crewai release.
 
-The same checks `crewai-idempotent doctor --self-test` runs (crewai_idempotent._selftest):
+The same checks `crewai-idempotent doctor --self-test` runs (integration/_selftest.py):
 a scripted model, a counting provider, a crew ledger next to a different process default.
 Each case records its path, retry source and executor as JUnit properties: the nox
 matrix's `compat_report` builds docs/compatibility.md's table from them.
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from crewai_idempotent import _selftest
+from crewai_idempotent.integration import _selftest
 from tests.crewai_support.fixtures import PYTHON, subprocess_env
 from tests.crewai_support.versions import CREWAI
 

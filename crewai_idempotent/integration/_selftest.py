@@ -7,24 +7,41 @@ the LLM and a counter for the payment provider. A check passes when the provider
 charged once per distinct invoice, the receipts are in the crew's ledger (not the process
 default), and an uncertain outcome stopped the kickoff. tests/test_crewai_paths.py runs
 the same checks in the suite, on every release of the matrix.
+
+The doctor runs them in a fresh interpreter (`run_in_subprocess`, below `main`, which
+speaks the same line protocol): crewai is imported inside the checks only, so the
+doctor's side of this module costs no crewai import. It stays one module of ~430 lines:
+the checks, the scripted answers they give and both ends of the line protocol are read
+together when a check fails on a new crewai release.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import importlib
+import importlib.metadata
 import json
 import logging
+import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .._errors import OutcomeUncertain, OutcomeUnknown
+from ..backends.sqlite import SQLiteCacheBackend
+from . import URL_ENV, configure, install
+from ._compat import ALLOW_UNTESTED_ENV
+from ._scripted import OFFLINE as _OFFLINE
+from ._scripted import current_attempt, scripted_model, tool_call
 
 PATHS = ("react", "native", "parallel native", "agent", "flow", "async")
 SOURCES = ("guardrail", "agent retry", "repeated call", "new kickoff", "uncertain")
@@ -101,68 +118,41 @@ class Script:
     attempts: int = 0
     failures: int = 0
 
+    def reply(self, messages: list[Any], tools: Any) -> Any:
+        results = _results(current_attempt(messages), self.native)
+        with _script_lock:
+            if self.native and not tools and results:
+                return "; ".join(results)
+            if not results:
+                self.attempts += 1
+            seen = 0
+            for batch in self.batches:
+                if len(results) < seen + len(batch):
+                    done = len(results) - seen
+                    return self._ask(batch if self.native else batch[done : done + 1])
+                seen += len(batch)
+            if self.failures < self.fail_times:
+                self.failures += 1
+                raise RuntimeError("self-test: scripted model failure after its tool calls")
+        answer = "; ".join(results) if results else "nothing to do"
+        return answer if self.native else f"Thought: done\nFinal Answer: {answer}"
 
-_scripts: dict[str, Script] = {}
-_scripts_lock = threading.Lock()
+    def _ask(self, batch: list[tuple[str, dict[str, Any]]]) -> Any:
+        if self.native:
+            return [tool_call(f"call_{uuid.uuid4().hex[:8]}", name, args) for name, args in batch]
+        name, args = batch[0]
+        return f"Thought: I need {name}\nAction: {name}\nAction Input: {json.dumps(args)}"
+
+    def model(self) -> Any:
+        return scripted_model("self-test", self.reply, native=self.native)
+
+
+_script_lock = threading.Lock()
 
 
 def _text(message: Any) -> str:
     content = message.get("content") if isinstance(message, dict) else str(message)
     return content if isinstance(content, str) else json.dumps(content, default=str)
-
-
-@functools.cache
-def _model_class() -> type:
-    from crewai.llms.base_llm import BaseLLM
-
-    class SelfTestModel(BaseLLM):
-        """Reads its script by model name: no fields of its own, so the same class works
-        whether crewai's BaseLLM is a pydantic model (1.13+) or a plain class."""
-
-        def supports_function_calling(self) -> bool:
-            return _scripts[self.model].native
-
-        def supports_stop_words(self) -> bool:
-            return False
-
-        def get_context_window_size(self) -> int:
-            return 100_000
-
-        def get_input_tokens_count(self, messages: Any, *args: Any, **kwargs: Any) -> int:
-            return len(json.dumps(messages, default=str)) // 4 + 1
-
-        async def acall(self, *args: Any, **kwargs: Any) -> Any:
-            return self.call(*args, **kwargs)
-
-        def call(self, messages: Any, tools: Any = None, *args: Any, **kwargs: Any) -> Any:
-            script = _scripts[self.model]
-            msgs = (
-                messages if isinstance(messages, list) else [{"role": "user", "content": messages}]
-            )
-            # An attempt starts at the last system prompt (crewai < 1.14.4 keeps earlier
-            # attempts' messages in a retry's conversation).
-            starts = [
-                i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "system"
-            ]
-            results = _results(msgs[starts[-1] :] if starts else msgs, script.native)
-            with _scripts_lock:
-                if script.native and not tools and results:
-                    return "; ".join(results)
-                if not results:
-                    script.attempts += 1
-                seen = 0
-                for batch in script.batches:
-                    if len(results) < seen + len(batch):
-                        done = len(results) - seen
-                        return _ask(batch if script.native else batch[done : done + 1], script)
-                    seen += len(batch)
-                if script.failures < script.fail_times:
-                    script.failures += 1
-                    raise RuntimeError("self-test: scripted model failure after its tool calls")
-            answer = "; ".join(results) if results else "nothing to do"
-            return answer if script.native else f"Thought: done\nFinal Answer: {answer}"
-
-    return SelfTestModel
 
 
 def _results(msgs: list[Any], native: bool) -> list[str]:
@@ -175,26 +165,6 @@ def _results(msgs: list[Any], native: bool) -> list[str]:
         elif not native and m.get("role") == "assistant" and "Observation:" in _text(m):
             found.append(_text(m).split("Observation:", 1)[1].strip().split("\n\n")[0].strip())
     return found
-
-
-def _ask(batch: list[tuple[str, dict[str, Any]]], script: Script) -> Any:
-    if script.native:
-        return [
-            {
-                "id": f"call_{uuid.uuid4().hex[:8]}",
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args)},
-            }
-            for name, args in batch
-        ]
-    name, args = batch[0]
-    return f"Thought: I need {name}\nAction: {name}\nAction Input: {json.dumps(args)}"
-
-
-def _model(script: Script) -> Any:
-    name = f"self-test-{uuid.uuid4().hex}"
-    _scripts[name] = script
-    return _model_class()(model=name)
 
 
 # -- one check -------------------------------------------------------------------------
@@ -236,8 +206,6 @@ def run_check(check: Check, workdir: Path) -> Result:
 
 def _run(check: Check, workdir: Path) -> str:
     from crewai.tools import tool
-
-    from . import OutcomeUncertain, OutcomeUnknown, SQLiteCacheBackend, configure
 
     provider = _Provider()
     uncertain = check.source == "uncertain"
@@ -311,7 +279,7 @@ def _run(check: Check, workdir: Path) -> str:
 def _replays_into(found: list[Any]) -> Iterator[None]:
     from crewai.events.event_bus import crewai_event_bus
 
-    from .integration.events import IdempotencyReplayEvent
+    from .events import IdempotencyReplayEvent  # imports crewai
 
     def seen(source: Any, event: Any) -> None:
         found.append(event)
@@ -327,7 +295,7 @@ def _replays_into(found: list[Any]) -> Iterator[None]:
 def _kickoff(check: Check, charge_card: Any, script: Script, backend: Any) -> Callable[[], Any]:
     from crewai import Agent, Crew, Task
 
-    llm = _model(script)
+    llm = script.model()
     reject = {"outputs": 0}
 
     def guardrail(output):  # type: ignore[no-untyped-def]  # crewai reads the annotation
@@ -403,8 +371,6 @@ def _quiet() -> Iterator[None]:
 
 
 def run_all(selected: list[Check] | None = None) -> list[Result]:
-    from .integration import install
-
     install()
     with tempfile.TemporaryDirectory(prefix="crewai-idempotent-self-test-") as tmp, _quiet():
         return [run_check(check, Path(tmp)) for check in (selected or checks())]
@@ -412,32 +378,19 @@ def run_all(selected: list[Check] | None = None) -> list[Result]:
 
 # -- the doctor's side -----------------------------------------------------------------
 
-OFFLINE = {
-    "CREWAI_DISABLE_TELEMETRY": "true",
-    "CREWAI_DISABLE_TRACKING": "true",
-    "CREWAI_TRACING_ENABLED": "false",
-    "CREWAI_TESTING": "true",
-    "OTEL_SDK_DISABLED": "true",
-    "OPENAI_API_KEY": "sk-self-test-not-used",
-}
+OFFLINE = {**_OFFLINE, "CREWAI_TESTING": "true", "OPENAI_API_KEY": "sk-self-test-not-used"}
 _MARK = "crewai-idempotent-self-test: "
 
 
 def run_in_subprocess(timeout_s: float = 600.0) -> tuple[str, list[dict[str, Any]], str]:
     """Run every check in a fresh interpreter, the full guard installed whatever the
     crewai release (that is the point): (crewai version, results, its stderr tail)."""
-    import os
-    import subprocess
-    import sys
-
-    from .integration._compat import ALLOW_UNTESTED_ENV
-
     env = {**os.environ, **OFFLINE, ALLOW_UNTESTED_ENV: "1"}
-    env.pop("CREWAI_IDEMPOTENCY_URL", None)
+    env.pop(URL_ENV, None)
     with tempfile.TemporaryDirectory(prefix="crewai-idempotent-self-test-") as home:
         env["XDG_DATA_HOME"] = home  # crewai's storage folder: nothing of the user's is touched
         done = subprocess.run(
-            [sys.executable, "-m", "crewai_idempotent._selftest"],
+            [sys.executable, "-m", "crewai_idempotent.integration._selftest"],
             env=env,
             cwd=home,
             capture_output=True,
@@ -457,9 +410,6 @@ def run_in_subprocess(timeout_s: float = 600.0) -> tuple[str, list[dict[str, Any
 
 
 def main() -> int:
-    import importlib.metadata
-    import warnings
-
     warnings.simplefilter("ignore")  # the untested-release warning: the report says it
     print(_MARK + json.dumps({"crewai": importlib.metadata.version("crewai")}), flush=True)
     failed = 0

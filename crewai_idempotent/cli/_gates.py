@@ -1,6 +1,6 @@
 """`crewai-idempotent approvals ls / show / approve / deny` and `crewai-idempotent spend`.
 
-Attached to the main group by `cli.py` (`register(main)`); they use the same `--ledger`.
+They use the same `--ledger` as the record commands; the gates' state lives in its backend.
 """
 
 from __future__ import annotations
@@ -10,34 +10,22 @@ from typing import Any
 
 import click
 
+from .. import ApprovalRequest, Approvals, SpendLedger
+from .._approvals import ApprovalAlreadyDecided, ApprovalNotFound
+from .._ledger import _whoami
+from ._output import duration, ledger_errors, safe, stamp
+from ._where import Where
 
-def _where_ledger(where: Any) -> Any:
-    return where.ledger()
 
-
-def _approvals(where: Any) -> Any:
-    from ._approvals import Approvals
-
-    return Approvals(_where_ledger(where).backend)
+def _approvals(where: Where) -> Approvals:
+    return Approvals(where.ledger().backend)
 
 
 def _stamp(at: float | None) -> str:
-    if at is None:
-        return "-"
-    from .cli import _stamp as stamp
-
-    return stamp(at)
+    return "-" if at is None else stamp(at)
 
 
-def _who() -> str:
-    from ._ledger import _whoami
-
-    return _whoami()
-
-
-def _fail(where: Any, exc: Exception) -> click.ClickException:
-    from .cli import safe
-
+def _fail(where: Where, exc: Exception) -> click.ClickException:
     return click.ClickException(safe(where.scrub(str(exc))))
 
 
@@ -55,11 +43,9 @@ def approvals() -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_obj
-def list_approvals(where: Any, state: str, as_json: bool) -> None:
+def list_approvals(where: Where, state: str, as_json: bool) -> None:
     """List approval requests (pending ones by default)."""
-    from .cli import _errors, safe
-
-    with _errors(where):
+    with ledger_errors(where.scrub):
         found = _approvals(where).list(None if state.lower() == "all" else state)
     if as_json:
         click.echo(json.dumps([_doc(r) for r in found], indent=2, sort_keys=True))
@@ -81,13 +67,10 @@ def list_approvals(where: Any, state: str, as_json: bool) -> None:
 @click.argument("request_id")
 @click.option("--json", "as_json", is_flag=True, help="The request as JSON.")
 @click.pass_obj
-def show_approval(where: Any, request_id: str, as_json: bool) -> None:
+def show_approval(where: Where, request_id: str, as_json: bool) -> None:
     """Everything stored about one request, its history included."""
-    from ._approvals import ApprovalNotFound
-    from .cli import _errors, safe
-
     try:
-        with _errors(where):
+        with ledger_errors(where.scrub):
             request = _approvals(where).get(request_id)
     except (ApprovalNotFound, ValueError) as exc:
         raise _fail(where, exc) from None
@@ -108,9 +91,7 @@ def show_approval(where: Any, request_id: str, as_json: bool) -> None:
 
 
 def _duration(value: str) -> float:
-    from .cli import _duration as parse
-
-    seconds = parse(value)
+    seconds = duration(value)
     if seconds is None or seconds <= 0:
         raise click.BadParameter(f"{value!r} is not a positive duration (e.g. 30m, 24h, 2d)")
     return seconds
@@ -124,7 +105,7 @@ def _duration(value: str) -> float:
     "--ttl", default="24h", show_default=True, help="The grant must be used within (30m, 2d...)."
 )
 @click.pass_obj
-def approve(where: Any, request_id: str, reason: str, by: str | None, ttl: str) -> None:
+def approve(where: Where, request_id: str, reason: str, by: str | None, ttl: str) -> None:
     """Approve a pending request: the next run of that exact call goes ahead, once."""
     _decide(where, request_id, True, reason, by, _duration(ttl))
 
@@ -134,20 +115,17 @@ def approve(where: Any, request_id: str, reason: str, by: str | None, ttl: str) 
 @click.option("--reason", required=True, help="Why (the agent is told).")
 @click.option("--by", metavar="NAME", help="Who denies (default: user@host).")
 @click.pass_obj
-def deny(where: Any, request_id: str, reason: str, by: str | None) -> None:
+def deny(where: Where, request_id: str, reason: str, by: str | None) -> None:
     """Deny a request: the call fails with ApprovalDenied and never runs."""
     _decide(where, request_id, False, reason, by, None)
 
 
 def _decide(
-    where: Any, rid: str, grant: bool, reason: str, by: str | None, ttl: float | None
+    where: Where, rid: str, grant: bool, reason: str, by: str | None, ttl: float | None
 ) -> None:
-    from ._approvals import ApprovalAlreadyDecided, ApprovalNotFound
-    from .cli import _errors, safe
-
-    who = by or _who()
+    who = by or _whoami()
     try:
-        with _errors(where):
+        with ledger_errors(where.scrub):
             store = _approvals(where)
             if grant:
                 assert ttl is not None
@@ -163,13 +141,10 @@ def _decide(
 @click.command("spend")
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_obj
-def spend(where: Any, as_json: bool) -> None:
+def spend(where: Where, as_json: bool) -> None:
     """Budgets per spend cap window: limit, committed, reserved, available (minor units)."""
-    from ._spend import SpendLedger
-    from .cli import _errors, safe
-
-    with _errors(where):
-        budgets = SpendLedger(_where_ledger(where).backend).budgets()
+    with ledger_errors(where.scrub):
+        budgets = SpendLedger(where.ledger().backend).budgets()
     if as_json:
         rows = [
             {
@@ -194,7 +169,7 @@ def spend(where: Any, as_json: bool) -> None:
         )
 
 
-def _doc(request: Any) -> dict[str, Any]:
+def _doc(request: ApprovalRequest) -> dict[str, Any]:
     return {
         "id": request.id, "state": request.state.value, "tool": request.tool,
         "key": request.key, "fingerprint": request.fingerprint, "reason": request.reason,
@@ -205,28 +180,3 @@ def _doc(request: Any) -> dict[str, Any]:
         "used_at": request.used_at, "summary": request.summary,
         "history": list(request.history),
     }  # fmt: skip
-
-
-@click.command("demo-approvals")
-@click.option(
-    "--ledger-path",
-    type=click.Path(dir_okay=False, path_type=str),
-    help="SQLite file for the demo's ledger (default: a fresh temporary one).",
-)
-def demo_approvals(ledger_path: str | None) -> None:
-    """Run an offline crew whose large payment waits for approval and whose cap refuses one."""
-    import sys
-
-    from .cli import _console
-
-    try:
-        from .demo_approvals import run_demo
-    except ImportError as exc:
-        raise click.ClickException(f"the demo is not available: {exc}") from None
-    sys.exit(int(run_demo(ledger_path, console=_console()) or 0))
-
-
-def register(main: click.Group) -> None:
-    main.add_command(approvals)
-    main.add_command(spend)
-    main.add_command(demo_approvals)

@@ -1,21 +1,34 @@
 """`crewai-idempotent doctor`: what an operator needs to know before trusting the ledger.
 
-Reads, never creates: a ledger that does not exist is reported, not made.
+Reads, never creates: a ledger that does not exist is reported, not made. `--self-test`
+runs the integration's own checks (integration/_selftest.py) in a fresh interpreter.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import click
 
-if TYPE_CHECKING:
-    from .cli import _Where
+from _crewai_idempotent_autoload import autoload_enabled
+
+from .. import Status
+from ..backends._url import local_path
+from ..integration import default_ledger_path
+from ..integration._compat import ALLOW_UNTESTED_ENV, untested_allowed
+from ..integration._config import describe_default
+from ..integration._patch import is_supported, supported_range
+from ..integration._selftest import run_in_subprocess
+from ._output import safe
+from ._where import Where
 
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 
@@ -33,7 +46,39 @@ class _Report:
         self.fact(name, f"PROBLEM: {value}")
 
 
-def report(where: _Where) -> tuple[list[str], int]:
+@click.command("doctor")
+@click.option(
+    "--self-test",
+    "self_test",
+    is_flag=True,
+    help="Run the guard's own checks (every execution path, every retry source) against "
+    "the installed crewai, offline with a scripted model, and report pass/fail.",
+)
+@click.pass_obj
+def doctor(where: Where, self_test: bool) -> None:
+    """Which ledger is in effect and why, its files and their modes, whether it answers
+    and how durable it is, whether this crewai is supported and the integration active.
+
+    Exit status 1 when something needs fixing (or a self-test check fails). Never creates
+    a ledger.
+    """
+    if self_test:
+        lines, problems = self_test_report()
+        for line in lines:
+            click.echo(safe(line))
+        if problems:
+            click.echo(f"{problems} self-test check(s) failed", err=True)
+            sys.exit(1)
+        return
+    lines, problems = report(where)
+    for line in lines:
+        click.echo(safe(where.scrub(line)))
+    if problems:
+        click.echo(f"{problems} problem(s) found", err=True)
+        sys.exit(1)
+
+
+def report(where: Where) -> tuple[list[str], int]:
     out = _Report()
     _ledger_facts(where, out)
     _open_facts(where, out)
@@ -42,9 +87,7 @@ def report(where: _Where) -> tuple[list[str], int]:
     return out.lines, out.problems
 
 
-def _ledger_facts(where: _Where, out: _Report) -> None:
-    from .integration._config import describe_default
-
+def _ledger_facts(where: Where, out: _Report) -> None:
     out.fact("ledger", where.label)
     if where.url is None:
         out.fact("source", f"default: {describe_default()}")
@@ -58,12 +101,8 @@ def _ledger_facts(where: _Where, out: _Report) -> None:
         _mode_facts(path, out)
 
 
-def _local_files(where: _Where, out: _Report) -> list[Path]:
-    from .backends._url import local_path
-
+def _local_files(where: Where, out: _Report) -> list[Path]:
     if where.url is None:
-        from .integration import default_ledger_path
-
         path: Path | None = default_ledger_path()
         scheme = "sqlite"
     else:
@@ -101,9 +140,7 @@ def _mode_facts(path: Path, out: _Report) -> None:
         out.fact("file", text)
 
 
-def _open_facts(where: _Where, out: _Report) -> None:
-    from ._record import Status
-
+def _open_facts(where: Where, out: _Report) -> None:
     try:
         ledger = where.ledger()
         counts = {status: 0 for status in Status}
@@ -152,7 +189,9 @@ def _durability_facts(backend: Any, out: _Report) -> None:
 
 
 def _redis_durability(backend: Any, out: _Report) -> None:
-    from .backends.redis import persistence_problem
+    # Late: the redis backend module imports the redis client, a fifth of a second of
+    # start-up that every other command would pay.
+    from ..backends.redis import persistence_problem
 
     try:
         config: dict[str, str] = {}
@@ -170,11 +209,6 @@ def _redis_durability(backend: Any, out: _Report) -> None:
 
 
 def _crewai_facts(out: _Report) -> None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from .integration._compat import ALLOW_UNTESTED_ENV, untested_allowed
-    from .integration._patch import is_supported, supported_range
-
     try:
         installed = version("crewai")
     except PackageNotFoundError:
@@ -199,11 +233,6 @@ def _crewai_facts(out: _Report) -> None:
 
 def self_test_report() -> tuple[list[str], int]:
     """`doctor --self-test`: the guard's checks run against the installed crewai."""
-    import subprocess
-    import time
-
-    from ._selftest import run_in_subprocess
-
     started = time.monotonic()
     try:
         version, results, errors = run_in_subprocess()
@@ -225,8 +254,6 @@ def self_test_report() -> tuple[list[str], int]:
 
 
 def _activation_facts(out: _Report) -> None:
-    from ._autoload import autoload_enabled
-
     pth = [
         Path(entry) / "crewai_idempotent_autoload.pth"
         for entry in sys.path

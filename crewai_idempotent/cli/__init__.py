@@ -1,0 +1,81 @@
+"""`crewai-idempotent`: inspect the ledger and settle uncertain operations.
+
+    crewai-idempotent ls --status uncertain
+    crewai-idempotent show KEY
+    crewai-idempotent resolve KEY --happened --result-text ch_123 --reason "in the dashboard"
+    crewai-idempotent resolve KEY --absent --reason "no charge at the provider"
+    crewai-idempotent doctor [--self-test]
+    crewai-idempotent export > ledger.jsonl
+
+The ledger is `--ledger URL`, else `CREWAI_IDEMPOTENCY_URL`, else the embedded default
+(the SQLite file the crewai integration uses, in crewai's storage folder for the current
+project). Only `demo` imports crewai; the other commands stay fast. No command creates a
+ledger: a path that holds none is reported.
+
+Everything printed for people is safe for a terminal: control and bidirectional-text
+characters in keys, errors and receipts are shown escaped, and ledger passwords as `***`.
+
+The commands live beside this module: `_ledger` (ls, show, resolve, purge, export),
+`_gates` (approvals, spend), `_doctor`, `_demos`; they print through `_output` and find
+the ledger through `_where`, never through this module.
+
+Exit status: 0 done; 1 refused, not found, or the ledger is unavailable; 2 bad usage
+(including a malformed ledger URL or --result that is not JSON).
+"""
+
+from __future__ import annotations
+
+import click
+from click.core import ParameterSource
+
+from ..integration import URL_ENV
+from ._demos import demo, demo_approvals
+from ._doctor import doctor
+from ._gates import approvals, spend
+from ._ledger import export, list_records, purge, resolve, show
+from ._where import Where
+
+__all__ = ["main"]
+
+_SOURCES = {
+    ParameterSource.COMMANDLINE: "--ledger",
+    ParameterSource.ENVIRONMENT: URL_ENV,
+}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--ledger",
+    "url",
+    metavar="URL",
+    envvar=URL_ENV,
+    help=f"Ledger URL (sqlite:///relative.db, sqlite:////abs/file.db, file:///abs/dir, "
+    f"postgresql://…, redis://…). Default: ${URL_ENV}, else the embedded SQLite ledger of "
+    "the current project.",
+)
+@click.pass_context
+def main(ctx: click.Context, url: str | None) -> None:
+    """Inspect the idempotency ledger and settle uncertain operations.
+
+    An UNCERTAIN record (or a stale PENDING one) is an operation whose effect may or may not
+    have happened. Look it up at the provider, then `resolve` it. See docs/recovery.md.
+    """
+    source = _SOURCES.get(ctx.get_parameter_source("url"), "--ledger")  # type: ignore[arg-type]
+    where = Where(url, source)
+    ctx.obj = where
+    ctx.call_on_close(where.close)
+
+
+for _command in (
+    list_records,
+    export,
+    show,
+    resolve,
+    purge,
+    doctor,
+    demo,
+    approvals,
+    spend,
+    demo_approvals,
+):
+    main.add_command(_command)

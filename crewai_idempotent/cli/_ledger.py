@@ -1,0 +1,353 @@
+"""The ledger's records: `ls`, `export`, `show`, `resolve`, `purge`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from typing import Any
+
+import click
+
+from .. import Ledger, Record, Status
+from .._results import describe, unrestorable
+from ._output import (
+    ago,
+    check_key,
+    console,
+    dumps,
+    duration,
+    ledger_errors,
+    machine,
+    safe,
+    stamp,
+    when,
+)
+from ._where import Where
+
+_STATUSES = ("pending", "committed", "failed", "uncertain")
+
+
+def _state(record: Record, now: float) -> str:
+    """The status as an operator needs to read it."""
+    status = record.status.value
+    if record.status.value == "PENDING":
+        return status if record.lease_live(now) else f"{status} (stale)"
+    if record.needs_operator:
+        return f"{status} (needs operator)"
+    return status
+
+
+def _filters(function: Any) -> Any:
+    options = [
+        click.option(
+            "--status",
+            type=click.Choice(_STATUSES, case_sensitive=False),
+            help="Only records in this status.",
+        ),
+        click.option("--stale", is_flag=True, help="Only PENDING records whose lease expired."),
+        click.option("--needs-operator", is_flag=True, help="Only records flagged for a person."),
+        click.option(
+            "--tool",
+            metavar="NAME",
+            help="Only keys of this tool: keys starting NAME: (the default keys, and templates "
+            "that start with the tool name). Records do not store the tool itself.",
+        ),
+        click.option("--prefix", metavar="TEXT", help="Only keys starting with TEXT."),
+        click.option(
+            "--older-than",
+            metavar="AGE",
+            help="Only records last updated at least AGE ago (90s, 15m, 2h, 7d).",
+        ),
+        click.option("--newer-than", metavar="AGE", help="Only records updated less than AGE ago."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _select(where: Where, filters: dict[str, Any]) -> tuple[Ledger, list[Record], float]:
+    older, newer = duration(filters["older_than"]), duration(filters["newer_than"])
+    status, stale = filters["status"], filters["stale"]
+    prefixes = [p for p in (filters["prefix"],) if p is not None]
+    if filters["tool"] is not None:
+        prefixes.append(f"{filters['tool']}:")
+    with ledger_errors(where.scrub):
+        ledger = where.ledger()
+        wanted = Status(status.upper()) if status else (Status.PENDING if stale else None)
+        records = ledger.records(wanted)
+        now = ledger.backend.now()
+        if stale:
+            records = [r for r in records if ledger.is_stale(r)]
+    if filters["needs_operator"]:
+        records = [r for r in records if r.needs_operator]
+    for prefix in prefixes:
+        records = [r for r in records if r.key.startswith(prefix)]
+    if older is not None:
+        records = [r for r in records if now - r.updated_at >= older]
+    if newer is not None:
+        records = [r for r in records if now - r.updated_at < newer]
+    return ledger, records, now
+
+
+@click.command("ls")
+@_filters
+@click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
+@click.pass_obj
+def list_records(where: Where, as_json: bool, **filters: Any) -> None:
+    """List records, oldest update first."""
+    ledger, records, now = _select(where, filters)
+    if as_json:
+        click.echo(
+            machine([json.loads(r.to_json()) | {"stale": ledger.is_stale(r)} for r in records])
+        )
+        return
+
+    if not records:
+        click.echo(f"no records match in {where.label}")
+        return
+    rows: list[list[str]] = [["KEY", "STATUS", "TOKEN", "OWNER", "UPDATED", "NOTE"]]
+    for record in records:
+        note = record.error or ""
+        if record.status is Status.PENDING:
+            verb = "expires" if record.lease_live(now) else "expired"
+            note = f"lease {verb} {ago(now - (record.lease_expires_at or now))}"
+        owner = record.owner.label if record.owner else "-"
+        age = ago(now - record.updated_at)
+        fields = (record.key, _state(record, now), str(record.token), owner, age, note)
+        rows.append([safe(field, lines=False) for field in fields])
+    # One line per record, every column whole except the note, which is cut to the terminal.
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    room = max(30, shutil.get_terminal_size((100, 24)).columns - sum(widths) - 2 * 5)
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        note = row[5] if len(row[5]) <= room else row[5][: room - 1] + "…"
+        click.echo("  ".join([*cells, note]).rstrip())
+    click.echo(f"{len(records)} record(s) in {where.label}")
+
+
+@click.command("export")
+@_filters
+@click.pass_obj
+def export(where: Where, **filters: Any) -> None:
+    """Every record, with its full history and evidence, as JSON Lines (for audit).
+
+    One JSON object per line, ASCII only: the record as `show --json` gives it, with each
+    history event as an object (at, at_utc, kind, token, by, note). Filters as for `ls`.
+    """
+    ledger, records, _ = _select(where, filters)
+    for record in records:
+        doc = json.loads(record.to_json())
+        # Named fields and readable times: an audit trail is read by people and tools alike.
+        doc["history"] = [
+            dataclasses.asdict(event) | {"at_utc": stamp(event.at)} for event in record.history
+        ]
+        doc["stale"] = ledger.is_stale(record)
+        click.echo(machine(doc, None))
+
+
+@click.command("show")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="The record as JSON.")
+@click.pass_obj
+def show(where: Where, key: str, as_json: bool) -> None:
+    """Show one record: its state, result, evidence and full history."""
+    check_key(key)
+    with ledger_errors(where.scrub):
+        ledger = where.ledger()
+        record = ledger.get(key)
+        now = ledger.backend.now()
+    if record is None:
+        raise click.ClickException(safe(f"no record for idempotency key {key!r} in {where.label}"))
+    if as_json:
+        click.echo(machine(json.loads(record.to_json()) | {"stale": ledger.is_stale(record)}))
+        return
+
+    # rich's tables cost start-up time that the other commands need not pay.
+    from rich.table import Table
+
+    out = console()
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column(overflow="fold")
+    rows: list[tuple[str, str]] = [
+        ("key", safe(record.key, lines=False)),
+        ("status", _state(record, now)),
+        ("token", str(record.token)),
+        ("revision", str(record.revision)),
+        ("attempts", str(record.attempts)),
+        ("owner", safe(record.owner.label, lines=False) if record.owner else "-"),
+        ("fingerprint", safe(record.fingerprint or "-", lines=False)),
+        ("created", when(record.created_at, now)),
+        ("updated", when(record.updated_at, now)),
+    ]
+    if record.lease_expires_at is not None:
+        rows.append(("lease expires", when(record.lease_expires_at, now)))
+    if record.expires_at is not None:
+        rows.append(("receipt expires", when(record.expires_at, now)))
+    if record.error:
+        rows.append(("error", safe(record.error, lines=False)))
+    if record.result is not None:
+        what, data = describe(record.result)
+        rows.append((f"result ({what})", dumps(data)))
+    if record.needs_operator:
+        rows.append(("needs operator", "yes: two executions may have happened"))
+    for name, value in rows:
+        facts.add_row(safe(name, lines=False), value)
+    out.print(facts)
+
+    if record.evidence:
+        out.print()
+        out.print(f"evidence ({len(record.evidence)} late finisher(s))", style="bold")
+        for number, item in enumerate(record.evidence, 1):
+            shown = dict(item)
+            if "result" in shown:
+                shown["result"] = describe(shown["result"])[1]
+            if isinstance(shown.get("at"), int | float):
+                shown["at"] = stamp(shown["at"])
+            out.print(f"{number}. {dumps(shown)}")
+
+    out.print()
+    history = Table(title="history", title_justify="left", box=None, header_style="bold")
+    for name in ("#", "AT (UTC)", "EVENT", "TOKEN", "BY"):
+        history.add_column(name, no_wrap=True)
+    history.add_column("NOTE", overflow="fold")
+    for number, event in enumerate(record.history, 1):
+        history.add_row(
+            str(number),
+            stamp(event.at),
+            safe(event.kind, lines=False),
+            str(event.token),
+            safe(event.by, lines=False),
+            safe(event.note, lines=False),
+        )
+    out.print(history)
+
+
+@click.command("resolve")
+@click.argument("key")
+@click.option("--happened", is_flag=True, help="The operation happened at the provider.")
+@click.option("--absent", is_flag=True, help="It did not happen; the next attempt runs it.")
+@click.option(
+    "--result",
+    "result_json",
+    metavar="JSON",
+    help="With --happened: the receipt to replay, as JSON.",
+)
+@click.option("--result-text", metavar="TEXT", help="With --happened: the receipt, as plain text.")
+@click.option("--reason", required=True, help="Why: what you checked at the provider.")
+@click.option("--by", metavar="NAME", help="Who resolves (default: user@host).")
+@click.pass_obj
+def resolve(
+    where: Where,
+    key: str,
+    happened: bool,
+    absent: bool,
+    result_json: str | None,
+    result_text: str | None,
+    reason: str,
+    by: str | None,
+) -> None:
+    """Settle an UNCERTAIN (or stale PENDING) record after checking the provider.
+
+    --happened: the record becomes COMMITTED and --result/--result-text is replayed to every
+    later call (without either, the result already stored on the record is kept, if any).
+    --absent: the record becomes FAILED and the next attempt runs the operation.
+    """
+    check_key(key)
+    if happened == absent:
+        raise click.UsageError("say either --happened or --absent")
+    if absent and (result_json is not None or result_text is not None):
+        raise click.UsageError("--result/--result-text go with --happened, not --absent")
+    if result_json is not None and result_text is not None:
+        raise click.UsageError("give --result JSON or --result-text TEXT, not both")
+    if not reason.strip():
+        raise click.BadParameter("say what you checked", param_hint="--reason")
+    result: Any = None
+    if result_json is not None:
+        try:
+            result = json.loads(result_json)
+        except ValueError as exc:
+            raise click.BadParameter(
+                safe(f"not JSON ({exc}): {result_json!r}"), param_hint="--result"
+            ) from None
+    elif result_text is not None:
+        result = result_text
+
+    with ledger_errors(where.scrub):
+        ledger = where.ledger()
+        before = ledger.get(key)
+        if before is None:
+            raise click.ClickException(
+                safe(f"no record for idempotency key {key!r} in {where.label}")
+            )
+        if happened and result_json is None and result_text is None:
+            result = _kept_result(before)
+        if absent:
+            record = ledger.resolve(key, absent=True, by=by, reason=reason)
+        else:
+            record = ledger.resolve(key, result=result, by=by, reason=reason)
+
+    out = console()
+    if before.needs_operator:
+        out.print(
+            safe(
+                f"note: {key!r} was flagged because two executions may have happened "
+                f"({len(before.evidence)} late finisher(s) in its evidence); the evidence "
+                "stays on the record"
+            )
+        )
+    if absent:
+        out.print(safe(f"resolved {key!r} as absent: FAILED; the next attempt runs the operation"))
+    else:
+        replayed = json.dumps(describe(record.result)[1], ensure_ascii=False)
+        out.print(
+            safe(
+                f"resolved {key!r} as happened: COMMITTED (token {record.token}); every later "
+                f"call replays {replayed}"
+            )
+        )
+
+
+def _kept_result(record: Record) -> Any:
+    if record.result is None:
+        raise click.UsageError(
+            safe(
+                f"{record.key!r} has no stored result to keep; give the provider's receipt "
+                "with --result JSON or --result-text TEXT"
+            )
+        )
+    missing = unrestorable(record.result)
+    if missing:
+        # Kept as it is, it would be stored again as plain data: the type would be lost.
+        raise click.UsageError(
+            safe(
+                f"the stored result holds {', '.join(sorted(set(missing)))}, which cannot be "
+                "imported here; give the receipt with --result JSON, or run resolve where "
+                "that class is importable"
+            )
+        )
+    return record.value()
+
+
+@click.command("purge")
+@click.option(
+    "--all",
+    "everything",
+    is_flag=True,
+    help="Also COMMITTED records whose TTL has not passed, and FAILED ones.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (with --all).")
+@click.pass_obj
+def purge(where: Where, everything: bool, yes: bool) -> None:
+    """Delete COMMITTED records whose TTL has passed (never PENDING or UNCERTAIN ones)."""
+    if everything and not yes:
+        click.confirm(
+            "--all deletes every COMMITTED and FAILED record: their receipts are lost and a "
+            "retry of any of those operations runs it again. Continue?",
+            abort=True,
+            err=True,
+        )
+    with ledger_errors(where.scrub):
+        removed = where.ledger().purge(expired_only=not everything)
+    click.echo(f"purged {removed} record(s) from {where.label}")

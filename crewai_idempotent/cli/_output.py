@@ -1,0 +1,124 @@
+"""What every command prints with: terminal-safe text, the console, times, durations, JSON,
+and the ledger's errors turned into one line and an exit status.
+
+Everything printed for people goes through `safe`: control and bidirectional-text
+characters in keys, errors and receipts are shown escaped.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import unicodedata
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from .. import IdempotencyError, InvalidIdempotencyKey, LedgerUnavailable, validate_key
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+_UNSAFE = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f"
+    "\ufeff\ufff9-\ufffb\ud800-\udfff]"
+)
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe(text: str, *, lines: bool = True) -> str:
+    """`text` with every character that could move the cursor, change colours or reorder
+    what the terminal shows (C0/C1 controls, escape, bidi overrides and isolates,
+    zero-width and format characters, lone surrogates) written as `\\xNN`/`\\uNNNN`.
+    Newlines and tabs stay when `lines` (multi-line text we laid out), else they too are
+    escaped (one table cell)."""
+    text = _UNSAFE.sub(_escape_char, text)
+    if not lines:
+        text = text.replace("\n", "\\n").replace("\t", "\\t")
+    # Any other format character (category Cf) is escaped too.
+    if not text.isascii():
+        text = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) == "Cf" else c for c in text)
+    return text
+
+
+@contextmanager
+def ledger_errors(scrub: Callable[[str], str] | None = None) -> Iterator[None]:
+    """Turn the ledger's errors into one clear, terminal-safe line and exit status 1;
+    `scrub` takes the ledger's password out of the message."""
+
+    def clean(text: str) -> str:
+        return safe(scrub(text) if scrub is not None else text)
+
+    try:
+        yield
+    except InvalidIdempotencyKey as exc:
+        raise click.BadParameter(clean(str(exc)), param_hint="KEY") from None
+    except LedgerUnavailable as exc:
+        raise click.ClickException(clean(f"ledger unavailable: {exc}")) from None
+    except IdempotencyError as exc:
+        raise click.ClickException(clean(str(exc))) from None
+
+
+def check_key(key: str) -> None:
+    with ledger_errors():
+        validate_key(key)
+
+
+def console() -> Console:
+    # rich costs a noticeable part of start-up: only the commands that lay out text load it.
+    from rich.console import Console
+
+    # Keys, errors and receipts are data: "[x]" or ":x:" in them must print as written.
+    return Console(highlight=False, soft_wrap=False, markup=False, emoji=False)
+
+
+def stamp(at: float) -> str:
+    return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def when(at: float | None, now: float) -> str:
+    return "-" if at is None else f"{stamp(at)} ({ago(now - at)})"
+
+
+def ago(seconds: float) -> str:
+    future = seconds < 0
+    seconds = abs(seconds)
+    if seconds < 90:
+        text = f"{seconds:.0f} s"
+    elif seconds < 90 * 60:
+        text = f"{seconds / 60:.0f} min"
+    elif seconds < 48 * 3600:
+        text = f"{seconds / 3600:.0f} h"
+    else:
+        text = f"{seconds / 86400:.0f} d"
+    return f"in {text}" if future else f"{text} ago"
+
+
+_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def duration(value: str | None) -> float | None:
+    """`90`, `90s`, `15m`, `2h`, `7d`, `1w` as seconds."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)?\s*", value)
+    if match is None:
+        raise click.BadParameter(f"not a duration (90, 90s, 15m, 2h, 7d, 1w): {value!r}")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def dumps(value: Any) -> str:
+    """JSON for people: laid out, then made terminal-safe."""
+    return safe(json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True))
+
+
+def machine(value: Any, indent: int | None = 2) -> str:
+    """JSON for programs: ASCII only, so no byte of it can act on a terminal either."""
+    return json.dumps(value, indent=indent, ensure_ascii=True, sort_keys=True)

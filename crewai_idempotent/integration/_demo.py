@@ -1,0 +1,235 @@
+"""`crewai-idempotent demo`: a payment crew whose task is retried twice, charging once.
+
+Offline: the model is scripted and the payment provider is fake. The crew's task asks
+for one charge; crewai re-runs the task after its guardrail rejects the first answer and
+re-runs the agent after a model error, and each time the model calls the charge tool
+again. The tool is `idempotent=True`, so the first call charges and the others replay
+its receipt from the ledger: the embedded SQLite default in crewai's storage folder, or
+the SQLite file given (configure() and CREWAI_IDEMPOTENCY_URL are not consulted).
+
+Run it with `crewai-idempotent demo` or `python -m crewai_idempotent.demo [LEDGER_PATH]`.
+crewai is imported once the offline environment is set, so this module imports it late.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+from typing import Any
+
+from rich.markup import escape
+
+from .._errors import LedgerUnavailable
+from ..backends.sqlite import SQLiteCacheBackend
+from . import IdempotencyConfig, default_ledger_path, install
+from ._scripted import current_attempt, go_offline, narrator, say, scripted_model, tool_call
+
+_MODEL_FAILURE = "503: upstream model overloaded (scripted)"
+
+
+class FakePaymentProvider:
+    """Stands in for a card processor: records every charge it is asked to make."""
+
+    def __init__(self) -> None:
+        self.charges: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def charge(self, invoice: str, amount_cents: int, customer: str, idempotency_key: str) -> str:
+        with self._lock:
+            receipt = f"ch_{secrets.token_hex(6)}"
+            self.charges.append(
+                {"receipt": receipt, "invoice": invoice, "amount_cents": amount_cents,
+                 "customer": customer, "idempotency_key": idempotency_key}
+            )  # fmt: skip
+            return receipt
+
+
+def run_demo(ledger_path: str | None = None, *, console: Any = None) -> int:
+    """Run the demo; 0 when the provider saw exactly one charge, else 1."""
+    go_offline()
+    out = narrator(console)
+    try:
+        return _Demo(out, ledger_path).run()
+    except LedgerUnavailable as exc:
+        say(out, f"[red]cannot use that ledger:[/] {escape(str(exc))}")
+        return 1
+
+
+class _Demo:
+    def __init__(self, console: Any, ledger_path: str | None) -> None:
+        self.console = console
+        self.ledger_path = ledger_path
+        self.provider = FakePaymentProvider()
+        self.invoice = f"INV-{secrets.token_hex(3).upper()}"
+        self.customer = "cus_ada"
+        self.amount_cents = 4200
+        self.decisions: list[str] = []  # "executed" / "replayed", from the event bus
+        self.attempt = 0
+        self.tool_calls = 0
+        self.backend: Any = None
+
+    # -- what the crew is made of ------------------------------------------------------
+
+    def build(self) -> Any:
+        from crewai import Agent, Crew, Task
+        from crewai.tools import tool
+
+        install()  # a no-op when the package activated itself on `import crewai`
+        provider = self.provider
+
+        # crewai's stubs don't know the options the integration adds to @tool and Crew.
+        @tool("charge_card", idempotent=True, idempotency_key="charge:{invoice}")  # type: ignore[call-overload]
+        def charge_card(
+            invoice: str, amount_cents: int, customer: str, idempotency_key: str
+        ) -> str:
+            """Charge a customer's card for an invoice. Returns the payment receipt id."""
+            return provider.charge(invoice, amount_cents, customer, idempotency_key)
+
+        agent = Agent(
+            role="Billing clerk",
+            goal="Collect payment for each invoice exactly once",
+            backstory="You settle invoices with the card processor.",
+            llm=scripted_model("scripted-demo-model", self.reply),
+            tools=[charge_card],
+            max_retry_limit=2,
+            allow_delegation=False,
+            verbose=False,
+        )
+        task = Task(
+            description=(
+                f"Charge {self.customer} {self.amount_cents / 100:.2f} EUR for invoice "
+                f"{self.invoice}, then report the receipt."
+            ),
+            expected_output="A sentence naming the invoice, the amount and the receipt id.",
+            agent=agent,
+            guardrail=self.guardrail,
+            guardrail_max_retries=2,
+        )
+        # The demo's own ledger, whatever configure() or CREWAI_IDEMPOTENCY_URL say.
+        self.backend = SQLiteCacheBackend(self.ledger_file())
+        config = IdempotencyConfig(backend=self.backend)
+        return Crew(agents=[agent], tasks=[task], verbose=False, idempotency=config)  # type: ignore[call-arg]
+
+    # No return annotation: crewai checks it must be tuple[bool, Any] and cannot evaluate
+    # the postponed (string) annotations this module uses.
+    def guardrail(self, output: Any):  # type: ignore[no-untyped-def]
+        if "EUR" not in output.raw:
+            answer = escape(repr(output.raw))
+            self.say(f"  guardrail rejected the answer [dim]({answer} names no amount)[/]")
+            self.say("  [yellow]-> crewai retries the task (guardrail_max_retries)[/]")
+            return False, "Name the amount in EUR in your answer."
+        self.say(f"  guardrail accepted: {escape(repr(output.raw))}")
+        return True, output.raw
+
+    # -- running and reporting ---------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        say(self.console, text)
+
+    def ledger_file(self) -> str:
+        if self.ledger_path:
+            return os.path.abspath(self.ledger_path)
+        return str(default_ledger_path())
+
+    def ledger_description(self) -> str:
+        if self.ledger_path:
+            return f"{self.ledger_file()} (given)"
+        return f"{self.ledger_file()} (the embedded SQLite default, in crewai's storage folder)"
+
+    def run(self) -> int:
+        self.say(
+            "[bold]crewai-idempotent demo[/]: one invoice, a guardrail retry and an agent retry"
+        )
+        crew = self.build()
+        try:
+            self.say(f"ledger: {escape(self.ledger_description())}")
+            self.say(
+                f"task: charge {self.customer} {self.amount_cents / 100:.2f} EUR "
+                f"for {self.invoice}\n"
+            )
+            answer = self.kickoff(crew)
+        finally:
+            self.backend.close()
+        charges = len(self.provider.charges)
+        colour = "green" if charges == 1 else "red"
+        self.say(f"\nfinal answer: {escape(answer)}")
+        self.say(
+            f"the model called charge_card {self.tool_calls} times; "
+            f"[bold {colour}]charges at the fake provider: {charges}[/]"
+        )
+        if charges == 1:
+            key = self.provider.charges[0]["idempotency_key"]
+            self.say(f"[dim]the provider also received the idempotency key {escape(repr(key))}[/]")
+        return 0 if charges == 1 else 1
+
+    def kickoff(self, crew: Any) -> str:
+        from crewai.events.event_bus import crewai_event_bus
+
+        from .events import IdempotencyClaimEvent, IdempotencyReplayEvent  # import crewai
+
+        with crewai_event_bus.scoped_handlers():
+
+            @crewai_event_bus.on(IdempotencyClaimEvent)
+            def executed(source: Any, event: Any) -> None:
+                self.decisions.append("executed")
+
+            @crewai_event_bus.on(IdempotencyReplayEvent)
+            def replayed(source: Any, event: Any) -> None:
+                self.decisions.append("replayed")
+
+            # crewai logs the scripted model failure as an error; the demo narrates it.
+            flow_log = logging.getLogger("crewai.flow.runtime")
+            flow_log.addFilter(_scripted_failure)
+            try:
+                result = crew.kickoff()
+            finally:
+                flow_log.removeFilter(_scripted_failure)
+            crewai_event_bus.flush()
+        return str(result.raw)
+
+    def reply(self, messages: list[Any], tools: Any) -> Any:
+        """The model: calls the charge tool, then answers. Attempt 1 answers without the
+        amount (the guardrail rejects it); attempt 2 fails after the tool call (the agent
+        retries)."""
+        results = [
+            m.get("content", "")
+            for m in current_attempt(messages)
+            if isinstance(m, dict) and m.get("role") == "tool"
+        ]
+        if not results:
+            self.attempt += 1
+            self.say(f"attempt {self.attempt}")
+            arguments = {
+                "invoice": self.invoice,
+                "amount_cents": self.amount_cents,
+                "customer": self.customer,
+            }
+            return [tool_call(f"call_{self.attempt}", "charge_card", arguments)]
+        receipt = str(results[-1]).strip()
+        self.on_tool_result(receipt)
+        if self.attempt == 1:
+            return f"Invoice {self.invoice} is paid, receipt {receipt}."
+        if self.attempt == 2:
+            self.say(f"  model call failed [dim]({_MODEL_FAILURE})[/]")
+            self.say("  [yellow]-> crewai retries the agent (max_retry_limit)[/]")
+            raise RuntimeError(_MODEL_FAILURE)
+        return (
+            f"Invoice {self.invoice}: charged {self.amount_cents / 100:.2f} EUR to "
+            f"{self.customer}, receipt {receipt}."
+        )
+
+    def on_tool_result(self, result: str) -> None:
+        from crewai.events.event_bus import crewai_event_bus
+
+        crewai_event_bus.flush()
+        self.tool_calls += 1
+        decision = self.decisions[-1] if self.decisions else "?"
+        style = "bold green" if decision == "executed" else "cyan"
+        call = escape(f"charge_card(invoice={self.invoice!r})")
+        self.say(f"  {call} [{style}]{decision}[/] -> {escape(result)}")
+
+
+def _scripted_failure(record: logging.LogRecord) -> bool:
+    return _MODEL_FAILURE not in record.getMessage()

@@ -1,0 +1,182 @@
+"""`crewai-idempotent demo-approvals`: an approval gate and a spend cap, offline.
+
+A scripted model pays invoices through a `pay_invoice` tool that needs a person's approval
+above 500.00 EUR and may spend at most 1,200.00 EUR per kickoff. The first kickoff pays
+two small invoices and stops on the large one; an operator approves it; the second kickoff
+replays the small ones, pays the large one once, and the cap refuses a fourth. The ledger
+is a fresh SQLite file (or the one given); the provider is fake.
+
+Run it with `crewai-idempotent demo-approvals` or `python -m crewai_idempotent.demo_approvals`.
+crewai is imported once the offline environment is set, so this module imports it late.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+
+from .._approvals import Approvals
+from .._errors import ApprovalRequired
+from .._spend import Money, SpendCap, SpendLedger
+from ..backends._url import backend_from_url
+from . import install
+from ._scripted import Reply, go_offline, narrator, say, scripted_model, tool_call
+
+THRESHOLD_CENTS = 500_00
+CAP = 1_200_00
+
+
+class FakeBank:
+    """Stands in for a payments API: records every payment it is asked to make."""
+
+    def __init__(self) -> None:
+        self.payments: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def pay(self, invoice: str, amount_cents: int) -> str:
+        with self._lock:
+            receipt = f"pay_{secrets.token_hex(5)}"
+            self.payments.append({"invoice": invoice, "amount_cents": amount_cents})
+            return receipt
+
+
+def run_demo(ledger_path: str | None = None, *, console: Any = None) -> int:
+    """Run the demo; 0 when the bank saw exactly the three expected payments."""
+    go_offline()
+    out = narrator(console)
+    folder = None
+    if ledger_path is None:
+        folder = tempfile.mkdtemp(prefix="crewai-idempotent-approvals-")
+        ledger_path = str(Path(folder) / "ledger.db")
+    return _Demo(out, ledger_path).run()
+
+
+class _Demo:
+    def __init__(self, console: Any, ledger_path: str) -> None:
+        self.console = console
+        self.url = f"sqlite:///{Path(ledger_path).resolve()}"
+        self.bank = FakeBank()
+        tag = secrets.token_hex(2).upper()
+        self.small = [(f"INV-{tag}-1", 120_00), (f"INV-{tag}-2", 80_00)]
+        self.large = (f"INV-{tag}-3", 900_00)
+        self.fourth = (f"INV-{tag}-4", 400_00)
+
+    def say(self, text: str) -> None:
+        say(self.console, text)
+
+    def crew(self, invoices: list[tuple[str, int]]) -> Any:
+        from crewai import Agent, Crew, Task
+        from crewai.tools import tool
+
+        install()
+        bank = self.bank
+
+        @tool(  # type: ignore[call-overload]  # crewai's stubs don't know our options
+            "pay_invoice",
+            idempotent=True,
+            approval=lambda args, ctx: args["amount_cents"] > THRESHOLD_CENTS,
+            spend=lambda args: Money(args["amount_cents"], "EUR"),
+            caps=[SpendCap(CAP, "EUR", per="kickoff")],
+        )
+        def pay_invoice(invoice: str, amount_cents: int) -> str:
+            """Pay a supplier invoice (amount in euro cents). Returns the payment id."""
+            return bank.pay(invoice, amount_cents)
+
+        agent = Agent(
+            role="Accounts payable clerk",
+            goal="Pay each approved invoice exactly once",
+            backstory="You pay supplier invoices through the bank's API.",
+            llm=scripted_model("scripted-approvals-model", self.reply_paying(invoices)),
+            tools=[pay_invoice],
+            allow_delegation=False,
+            verbose=False,
+        )
+        task = Task(
+            description="Pay these invoices: " + ", ".join(i for i, _ in invoices),
+            expected_output="The payment ids.",
+            agent=agent,
+        )
+        return Crew(  # type: ignore[call-arg]  # cache_backend is the integration's
+            agents=[agent], tasks=[task], verbose=False, cache_backend=self.url
+        )
+
+    def reply_paying(self, invoices: list[tuple[str, int]]) -> Reply:
+        """The model: calls pay_invoice for each invoice in turn (native tool calls), then
+        answers."""
+
+        def reply(messages: list[Any], tools: Any) -> Any:
+            results = [
+                str(m.get("content", ""))
+                for m in messages
+                if isinstance(m, dict) and m.get("role") == "tool"
+            ]
+            if results:
+                self.say(f"  tool result: {escape(results[-1].strip()[:160])}")
+            if len(results) < len(invoices):
+                invoice, cents = invoices[len(results)]
+                arguments = {"invoice": invoice, "amount_cents": cents}
+                return [tool_call(f"call_{len(results)}", "pay_invoice", arguments)]
+            return "Done: " + "; ".join(r.strip()[:40] for r in results)
+
+        return reply
+
+    def run(self) -> int:
+        euros = lambda cents: f"{cents / 100:,.2f} EUR"  # noqa: E731
+        self.say(f"[bold]Ledger:[/] {escape(self.url)}")
+        self.say(
+            f"pay_invoice needs approval above {euros(THRESHOLD_CENTS)}; "
+            f"at most {euros(CAP)} per kickoff\n"
+        )
+        first = [*self.small, self.large]
+        self.say("[bold]Kickoff 1[/]: " + ", ".join(f"{i} {euros(c)}" for i, c in first))
+        try:
+            self.crew(first).kickoff()
+        except ApprovalRequired as stopped:
+            rid = stopped.request_id
+            self.say(f"  [yellow]stopped:[/] {escape(str(stopped))}\n")
+        else:
+            self.say("[red]the kickoff was not stopped for approval[/]")
+            return 1
+        self.say(f"  the bank has made {len(self.bank.payments)} payments")
+
+        backend = backend_from_url(self.url)
+        try:
+            approvals = Approvals(backend)
+            (pending,) = approvals.list("pending")
+            self.say(
+                f"[bold]Operator[/]: crewai-idempotent --ledger ... approvals ls\n  "
+                f"{pending.id} {pending.tool} {escape(json.dumps(pending.summary))}"
+            )
+            approvals.approve(rid, by="demo-operator", reason="invoice checked with supplier")
+            self.say(
+                f"[bold]Operator[/]: crewai-idempotent approvals approve {rid} "
+                "--reason 'invoice checked with supplier'\n"
+            )
+            second = [*self.small, self.large, self.fourth]
+            self.say("[bold]Kickoff 2[/]: " + ", ".join(f"{i} {euros(c)}" for i, c in second))
+            self.crew(second).kickoff()
+            for budget in SpendLedger(backend).budgets():
+                self.say(
+                    f"  budget {budget.cap} {escape(budget.window)}: {euros(budget.committed)} "
+                    f"of {euros(budget.limit)} spent"
+                )
+        finally:
+            backend.close()
+
+        paid = [p["invoice"] for p in self.bank.payments]
+        expected = [i for i, _ in self.small] + [self.large[0]]
+        self.say(f"\nThe bank made {len(paid)} payments: {', '.join(paid)}")
+        if paid != expected:
+            self.say(f"[red]expected exactly {', '.join(expected)}[/]")
+            return 1
+        self.say(
+            "[green]The small invoices were paid once (replayed in kickoff 2), the large one "
+            f"once after approval, and {self.fourth[0]} was refused by the per-kickoff cap.[/]"
+        )
+        return 0

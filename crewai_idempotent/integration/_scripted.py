@@ -1,0 +1,120 @@
+"""What the offline demos and `doctor --self-test` share: a scripted stand-in for the LLM,
+the environment that keeps crewai offline, and the demos' narration.
+
+A scripted model answers every turn by calling the reply function registered under its
+model name, so the model class has no fields of its own: the same class works whether
+crewai's BaseLLM is a pydantic model (1.13+) or a plain class. crewai is imported when
+the first model is made, not when this module is: the doctor imports the self-test's
+launcher without paying for crewai.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+# A reply gets the conversation (a list of messages) and the tools offered, and returns
+# the model's answer: text, or a list of native tool calls.
+Reply = Callable[[list[Any], Any], Any]
+
+OFFLINE = {
+    "CREWAI_DISABLE_TELEMETRY": "true",
+    "CREWAI_DISABLE_TRACKING": "true",
+    "OTEL_SDK_DISABLED": "true",
+    "CREWAI_TRACING_ENABLED": "false",
+}
+
+# Entries are never removed: a crew may call its model until the process ends, and a
+# process makes a handful of models (the self-test: one per check).
+_replies: dict[str, tuple[bool, Reply]] = {}
+_replies_lock = threading.Lock()
+
+
+def go_offline() -> None:
+    """Keep crewai from calling home; a value the user set wins. Before importing crewai."""
+    for name, value in OFFLINE.items():
+        os.environ.setdefault(name, value)
+
+
+def scripted_model(prefix: str, reply: Reply, *, native: bool = True) -> Any:
+    """A crewai LLM whose every answer is `reply(messages, tools)`; `native`: it asks for
+    tools with native function calls (else crewai runs its ReAct text loop)."""
+    name = f"{prefix}-{uuid.uuid4().hex}"
+    with _replies_lock:
+        _replies[name] = (native, reply)
+    return _model_class()(model=name)
+
+
+def current_attempt(messages: list[Any]) -> list[Any]:
+    """The messages of the latest attempt: from the last system prompt on (crewai < 1.14.4
+    keeps the earlier attempts' messages in the conversation of a retry)."""
+    starts = [
+        i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "system"
+    ]
+    return messages[starts[-1] :] if starts else messages
+
+
+def tool_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """One native tool call, as a model's answer lists it."""
+    function = {"name": name, "arguments": json.dumps(arguments)}
+    return {"id": call_id, "type": "function", "function": function}
+
+
+@functools.cache
+def _model_class() -> type:
+    from crewai.llms.base_llm import BaseLLM
+
+    class ScriptedModel(BaseLLM):
+        """Answers from the reply registered under its model name."""
+
+        def supports_function_calling(self) -> bool:
+            return _replies[self.model][0]
+
+        def supports_stop_words(self) -> bool:
+            return False
+
+        def get_context_window_size(self) -> int:
+            return 100_000
+
+        def get_input_tokens_count(self, messages: Any, *args: Any, **kwargs: Any) -> int:
+            return len(json.dumps(messages, default=str)) // 4 + 1
+
+        async def acall(self, *args: Any, **kwargs: Any) -> Any:
+            return self.call(*args, **kwargs)
+
+        def call(self, messages: Any, tools: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(messages, list):
+                messages = [{"role": "user", "content": messages}]
+            return _replies[self.model][1](messages, tools)
+
+    return ScriptedModel
+
+
+def narrator(console: Any = None) -> Any:
+    """The console a demo narrates to: the one given (the CLI's), else a new one."""
+    if console is not None:
+        return console
+    from rich.console import Console  # rich is only needed once a demo runs
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def say(console: Any, text: str) -> None:
+    """Print a line of narration. Markup is on for this text only (the CLI's console prints
+    data verbatim); every value interpolated into it must be escaped."""
+    console.print(text, markup=True, highlight=False, soft_wrap=True)
+
+
+def command_line(run: Callable[[str | None], int], module: str, argv: list[str] | None) -> int:
+    """`python -m MODULE [LEDGER_PATH]`: run a demo on the ledger given, if any."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) > 1 or (args and args[0] in ("-h", "--help")):
+        print(f"usage: python -m {module} [LEDGER_PATH]")
+        return 2
+    return run(args[0] if args else None)
