@@ -167,7 +167,7 @@ class _Demo:
     def kickoff(self, crew: Any) -> str:
         from crewai.events.event_bus import crewai_event_bus
 
-        from .events import IdempotencyClaimEvent, IdempotencyReplayEvent  # import crewai
+        from .events import IdempotencyClaimEvent, IdempotencyReplayEvent  # imports crewai
 
         with crewai_event_bus.scoped_handlers():
 
