@@ -14,10 +14,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 KIND = "crewai-core"
 
 
-def _core_factory(tmp_path: Path, request: Any) -> Callable[[], Any]:
+def _core_factory(tmp_path: Path) -> Callable[[], Any]:
     from crewai.tools.idempotency.backends import SQLiteIdempotencyBackend
     from crewai.tools.idempotency.record import IdempotencyRecord, IdempotencyStatus
 
@@ -76,8 +78,7 @@ def _core_factory(tmp_path: Path, request: Any) -> Callable[[], Any]:
     return Factory()
 
 
-def pytest_plugin_registered(plugin: Any, manager: Any) -> None:
-    # tests/conftest.py registers its backends here; add crewAI core's next to them.
-    extra = getattr(plugin, "EXTRA_FACTORIES", None)
-    if isinstance(extra, dict):
-        extra.setdefault(KIND, _core_factory)
+@pytest.fixture
+def store_crewai_core(tmp_path: Path) -> Callable[[], Any]:
+    # tests/conftest.py opens the store of kind K through the fixture `store_K`.
+    return _core_factory(tmp_path)

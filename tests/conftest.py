@@ -1,4 +1,5 @@
-"""Shared fixtures. Every backend joins the conformance suite through `make_backend`."""
+"""Shared fixtures. Every backend joins the conformance suite as a `store_<kind>` fixture:
+`factory` opens the store of the test's `backend_kind` by asking for that fixture."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ os.environ.setdefault("OPENAI_API_KEY", "sk-fake-not-used")
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -22,8 +24,15 @@ from crewai_idempotent import (
     FileLockCacheBackend,
     InMemoryCacheBackend,
     SQLiteCacheBackend,
+    backend_from_url,
 )
-from tests.servers import postgres_factory, postgres_server, redis_factory, redis_server  # noqa: F401
+
+if TYPE_CHECKING:
+    from tests.servers import PostgresServer, RedisServer
+
+# The session's throwaway servers (postgres_server, redis_server) are fixtures there; as a
+# plugin, its asserts are rewritten too.
+pytest_plugins = ["tests.servers"]
 
 # Backends that persist across processes; the in-memory one joins only in-process tests.
 DURABLE_BACKENDS = ["sqlite", "sqlite-normal", "filelock", "postgres", "redis"]
@@ -35,47 +44,70 @@ if os.environ.get("CONFORMANCE_BACKENDS"):  # patches/verify.sh: crewAI core's s
 class BackendFactory:
     """Opens (or re-opens) one store. `url` reopens the same store in another process."""
 
-    def __init__(self, url: str, open_: Callable[[], CacheBackend]) -> None:
+    def __init__(self, url: str, open_: Callable[[], CacheBackend] | None = None) -> None:
         self.url = url
-        self._open = open_
+        self._open = open_ or (lambda: backend_from_url(url))
 
     def __call__(self) -> CacheBackend:
         return self._open()
 
-
-def backend_factory(
-    kind: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> Callable[[], CacheBackend]:
-    """A zero-argument callable (with a `.url`) that opens the same store of `kind`."""
-    if kind == "memory":
-        shared = InMemoryCacheBackend()
-        return BackendFactory("memory://", lambda: shared)
-    if kind == "sqlite":
-        path = tmp_path / "ledger.db"
-        return BackendFactory(f"sqlite:///{path}", lambda: SQLiteCacheBackend(path))
-    if kind == "sqlite-normal":
-        path = tmp_path / "ledger.db"
-        return BackendFactory(
-            f"sqlite:///{path}?synchronous=NORMAL",
-            lambda: SQLiteCacheBackend(path, synchronous="NORMAL"),
-        )
-    if kind == "sqlite-claims":  # synchronous=CLAIMS: claims synced, commits lazily
-        path = tmp_path / "ledger.db"
-        return BackendFactory(
-            f"sqlite:///{path}?synchronous=CLAIMS",
-            lambda: SQLiteCacheBackend(path, synchronous="CLAIMS"),
-        )
-    if kind == "filelock":
-        folder = tmp_path / "ledger"
-        return BackendFactory(f"file://{folder}", lambda: FileLockCacheBackend(folder))
-    if kind in EXTRA_FACTORIES:
-        return EXTRA_FACTORIES[kind](tmp_path, request)
-    raise ValueError(kind)
+    def __repr__(self) -> str:
+        return f"BackendFactory({self.url!r})"
 
 
-# Later backends (PostgreSQL, Redis) register here: kind -> (tmp_path, request) -> factory.
-EXTRA_FACTORIES: dict[str, Callable[[Path, pytest.FixtureRequest], Callable[[], CacheBackend]]] = {}
-EXTRA_FACTORIES.update(postgres=postgres_factory, redis=redis_factory)
+def backend_factory(kind: str, request: pytest.FixtureRequest) -> BackendFactory:
+    """The store of `kind` for this test: the `store_<kind>` fixture (a plugin such as
+    patches/conformance_core.py can add kinds by defining one)."""
+    return request.getfixturevalue(f"store_{kind.replace('-', '_')}")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def store_memory() -> BackendFactory:
+    shared = InMemoryCacheBackend()
+    return BackendFactory("memory://", lambda: shared)
+
+
+@pytest.fixture
+def store_sqlite(tmp_path: Path) -> BackendFactory:
+    path = tmp_path / "ledger.db"
+    return BackendFactory(f"sqlite:///{path}", lambda: SQLiteCacheBackend(path))
+
+
+@pytest.fixture
+def store_sqlite_normal(tmp_path: Path) -> BackendFactory:
+    path = tmp_path / "ledger.db"
+    return BackendFactory(
+        f"sqlite:///{path}?synchronous=NORMAL",
+        lambda: SQLiteCacheBackend(path, synchronous="NORMAL"),
+    )
+
+
+@pytest.fixture
+def store_sqlite_claims(tmp_path: Path) -> BackendFactory:
+    """synchronous=CLAIMS: claims synced, commits lazily."""
+    path = tmp_path / "ledger.db"
+    return BackendFactory(
+        f"sqlite:///{path}?synchronous=CLAIMS",
+        lambda: SQLiteCacheBackend(path, synchronous="CLAIMS"),
+    )
+
+
+@pytest.fixture
+def store_filelock(tmp_path: Path) -> BackendFactory:
+    folder = tmp_path / "ledger"
+    return BackendFactory(f"file://{folder}", lambda: FileLockCacheBackend(folder))
+
+
+@pytest.fixture
+def store_postgres(postgres_server: PostgresServer) -> BackendFactory:
+    """A fresh table per test on the session's server."""
+    return BackendFactory(postgres_server.fresh_url())
+
+
+@pytest.fixture
+def store_redis(redis_server: RedisServer) -> BackendFactory:
+    """A fresh key prefix per test on the session's server."""
+    return BackendFactory(redis_server.fresh_url())
 
 
 @pytest.fixture(params=ALL_BACKENDS)
@@ -84,14 +116,12 @@ def backend_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def factory(
-    backend_kind: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> Callable[[], CacheBackend]:
-    return backend_factory(backend_kind, tmp_path, request)
+def factory(backend_kind: str, request: pytest.FixtureRequest) -> BackendFactory:
+    return backend_factory(backend_kind, request)
 
 
 @pytest.fixture
-def open_backend(factory: Callable[[], CacheBackend]) -> Iterator[Callable[[], CacheBackend]]:
+def open_backend(factory: BackendFactory) -> Iterator[Callable[[], CacheBackend]]:
     opened: list[CacheBackend] = []
 
     def open_() -> CacheBackend:
@@ -105,9 +135,9 @@ def open_backend(factory: Callable[[], CacheBackend]) -> Iterator[Callable[[], C
 
 
 @pytest.fixture
-def backend_url(factory: Callable[[], CacheBackend]) -> str:
+def backend_url(factory: BackendFactory) -> str:
     """A URL that reopens the test's store (for child processes)."""
-    return str(getattr(factory, "url"))  # noqa: B009 - factories from EXTRA_FACTORIES too
+    return factory.url
 
 
 @pytest.fixture

@@ -33,8 +33,8 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    return str(backend_factory(kind, tmp_path, request).url)  # type: ignore[attr-defined]
+def url(kind: str, request: pytest.FixtureRequest) -> str:
+    return backend_factory(kind, request).url
 
 
 @pytest.fixture

@@ -28,12 +28,11 @@ from crewai_idempotent import (
 )
 from crewai_idempotent._record import Event, Owner, Record, Status
 from tests.blackhole import BlackHoleProxy
+from tests.faults.provider import Provider
 from tests.servers import (
     PostgresServer,
     RedisServer,
-    append_line,
     discard,
-    effects_per_key,
     start_postgres,
     start_redis,
 )
@@ -189,20 +188,20 @@ def test_an_operation_on_a_silent_server_fails_closed_within_its_timeout(
 def test_a_guarded_call_on_a_silent_server_never_runs_its_body(
     silence: Silence, tmp_path: Path
 ) -> None:
-    effects = tmp_path / "effects"
+    provider = Provider.create(tmp_path / "provider.jsonl")
     ledger = Ledger(backend_from_url(silence.url), lease_s=5.0, wait_s=0.0)
     try:
         assert ledger.run("warm-up", lambda: "ok") == "ok"
         with silence.active():
             for n in range(2):
                 elapsed, error = _timed(
-                    lambda n=n: ledger.run(f"silent-{n}", lambda: append_line(effects, "ran"))
+                    lambda n=n: ledger.run(f"silent-{n}", lambda: provider.charge(f"silent-{n}"))
                 )
                 assert isinstance(error, LedgerUnavailable), error
                 # The claim, then the ledger's look for a claim that may have landed anyway:
                 # two bounded operations (and a clock reading at most).
                 assert elapsed <= 3 * BOUND_S, f"took {elapsed:.2f} s"
-        assert effects_per_key(effects) == {}
+        assert provider.counts() == {}
     finally:
         ledger.close()
 
@@ -213,13 +212,13 @@ def test_a_commit_on_a_silent_server_leaves_the_effect_once_and_the_record_unres
     """The body ran, the commit cannot be stored: the call ends in bounded time (with the
     receipt in hand, or LedgerUnavailable), the record stays PENDING, and once its lease
     lapses a retry is uncertain, never a second run."""
-    effects = tmp_path / "effects"
+    provider = Provider.create(tmp_path / "provider.jsonl")
     ledger = Ledger(backend_from_url(silence.url), lease_s=1.0, commit_retry_s=0.5)
     try:
         assert ledger.run("warm-up", lambda: "ok") == "ok"
 
         def body() -> str:
-            append_line(effects, "charged")
+            provider.charge("charged")
             silence.on()  # the server goes silent while the body runs
             return "receipt"
 
@@ -246,6 +245,6 @@ def test_a_commit_on_a_silent_server_leaves_the_effect_once_and_the_record_unres
             assert outcomes[-1].replayed and outcomes[-1].value == "receipt"
         else:
             assert isinstance(error, OutcomeUncertain), error
-        assert effects_per_key(effects) == {"charged": 1}
+        assert provider.counts() == {"charged": 1}
     finally:
         ledger.close()

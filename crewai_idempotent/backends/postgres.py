@@ -264,7 +264,7 @@ class PostgresCacheBackend(CacheBackend):
         # direct connections at a time, however many threads are waiting. Without it the
         # server-restart tests still pass, but a call to a server that is down would wait
         # out timeout_s and say only that no connection came: the pool keeps the cause to
-        # its log. test_postgres_faults.py::test_no_server_means_no_run requires the cause.
+        # its log. test_server_faults.py::test_no_server_means_no_run requires the cause.
         if not self._direct.acquire(timeout=max(budget.connect_by - time.monotonic(), 0.0)):
             raise LedgerUnavailable(
                 f"no connection to PostgreSQL at {self.where} within timeout_s="

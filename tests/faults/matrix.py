@@ -23,6 +23,7 @@ process returned is that charge's receipt.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import secrets
@@ -380,3 +381,69 @@ def assert_cell(
             f"{shown}"
         )
     return report
+
+
+def assert_batch_killed(url: str, workdir: Path, *, copies: int, lease_s: float = 1.0) -> None:
+    """One worker process holds `copies` keys of every cell at once, each stopped at its
+    point; it is SIGKILLed at a random moment once all are there (sometimes while its lease
+    keeper renews them); one fresh process retries every key concurrently. Each key must
+    end where `EXPECTED` says retry 1 leaves its cell, with no key ever charged twice."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    provider = Provider.create(workdir / "provider.jsonl")
+    prefix = f"batch-{secrets.token_hex(4)}"
+    cells = {
+        f"{prefix}-{point}-{'rec' if rec else 'bare'}-{n}": (point, rec)
+        for point, rec in CELLS
+        for n in range(copies)
+    }
+
+    def spec(role: str, plan: dict[str, dict[str, Any]], **changes: Any) -> Spec:
+        path = workdir / f"{role}.plan.json"
+        path.write_text(json.dumps(plan), "utf-8")
+        return Spec(
+            ledger=url, provider=str(provider.path), key=role, plan=str(path),
+            report=str(workdir / f"{role}.json"), lease_s=lease_s, **changes,
+        )  # fmt: skip
+
+    victim = launch.start(
+        spec("victim", {key: {"pause_at": point} for key, (point, _) in cells.items()},
+             marker=str(workdir / "victim.at")),
+        "exec", workdir / "victim.log",
+    )  # fmt: skip
+    try:
+        reached = launch.wait_for_marker(victim)
+        _expect(sorted(reached["keys"]) == sorted(cells), "not every key reached its point")
+        time.sleep(random.uniform(0, lease_s / 2))
+        code = victim.kill()
+        _expect(code == -signal.SIGKILL, f"victim exited {code}, not by SIGKILL")
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+    retry = launch.start(
+        spec("retry", {key: {"reconcile": rec} for key, (_, rec) in cells.items()},
+             wait_s=lease_s * 10 + 5),
+        "exec", workdir / "retry.log",
+    )  # fmt: skip
+    seen = launch.finish(retry, timeout=120)
+    ledger = Ledger(backend_from_url(url))
+    problems = []
+    try:
+        for key, cell in cells.items():
+            want, got = EXPECTED[cell], seen[key]
+            record = ledger.get(key)
+            receipts = provider.receipts(key)
+            outcome = got["outcome"] if got["outcome"] != "error" else got["error_type"]
+            expected = {"uncertain": "OutcomeUncertain"}.get(want.first_retry, want.first_retry)
+            found = (outcome, record and record.status, len(receipts))
+            if found != (expected, want.status, want.effects):
+                problems.append(f"{cell}: expected {(expected, want.status, want.effects)}, "
+                                f"got {found}: {got.get('error')}")  # fmt: skip
+            elif record is not None and _history(record) != want.history:
+                problems.append(f"{cell}: history {_history(record)}")
+            elif tuple(got["reconcile_calls"]) != want.reconcile_calls:
+                problems.append(f"{cell}: the reconciler said {got['reconcile_calls']}")
+            elif outcome in ("ran", "replayed") and got["value"] != receipts[0]:
+                problems.append(f"{cell}: returned {got['value']!r}, the provider has {receipts}")
+    finally:
+        ledger.close()
+    assert not problems, "\n".join(problems)

@@ -6,6 +6,7 @@ provider cannot. Tests count effects here, never in log lines.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import secrets
@@ -64,3 +65,7 @@ class Provider:
 
     def receipts(self, key: str) -> list[str]:
         return [effect["receipt"] for effect in self.effects(key)]
+
+    def counts(self) -> dict[str, int]:
+        """How many charges each key has."""
+        return dict(collections.Counter(effect["key"] for effect in self.effects()))

@@ -15,6 +15,9 @@ the ``--release`` file exists. Ledger listeners run synchronously in the worker'
 blocking in one stops the worker exactly between two ledger steps; the lease keeper thread
 keeps running, as it would in a real slow worker. ``--signal-at`` writes the marker and
 carries on. The outcome is written as JSON to ``--report`` (and printed).
+
+With ``--plan FILE`` the worker runs many keys at once, each in its own thread and each
+stopping at its own point (see `run_plan`): a process that dies with many calls in flight.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +68,7 @@ class Spec:
     wait_s: float = 30.0
     work_s: float = 0.0
     amount: int = 100
+    plan: str | None = None  # a JSON file: many keys at once (`run_plan`)
 
     def argv(self) -> list[str]:
         args: list[str] = []
@@ -79,8 +84,12 @@ class Spec:
 
     @property
     def args(self) -> dict[str, Any]:
-        """The tool's arguments: what the fingerprint covers and the reconciler receives."""
-        return {"order": self.key, "amount": self.amount}
+        return tool_args(self.key, self.amount)
+
+
+def tool_args(key: str, amount: int) -> dict[str, Any]:
+    """The tool's arguments: what the fingerprint covers and the reconciler receives."""
+    return {"order": key, "amount": amount}
 
 
 def reconciler(provider: Provider, calls: list[str]) -> Any:
@@ -103,47 +112,119 @@ def reconciler(provider: Provider, calls: list[str]) -> Any:
 
 
 def run(spec: Spec) -> dict[str, Any]:
-    """Run the guarded charge once and return what happened (also written to spec.report)."""
+    """Run the guarded charge once and return what happened (also written to spec.report);
+    with `spec.plan`, run every key of the plan at once (`run_plan`)."""
+    if spec.plan:
+        return run_plan(spec)
     for point in (spec.pause_at, spec.signal_at):
         if point is not None and point not in POINTS:
             raise ValueError(f"unknown point {point!r}; known: {', '.join(POINTS)}")
     provider = Provider(spec.provider)
     ledger = Ledger(backend_from_url(spec.ledger), lease_s=spec.lease_s, wait_s=spec.wait_s)
-    calls: list[str] = []
-    me = os.getpid()
 
-    def reach(point: str) -> None:
+    def reach(key: str, point: str) -> None:
         if point == spec.signal_at:
             _mark(spec, point)
         if point == spec.pause_at:
             _mark(spec, point)
             _hold(spec.release)
 
+    ledger.add_listener(_listener(lambda key: key == spec.key, reach))
+    try:
+        report = _call(spec, ledger, provider, spec.key, spec.reconcile, reach)
+    finally:
+        ledger.close()
+    if spec.report:
+        _write_atomically(Path(spec.report), json.dumps(report))
+    return report
+
+
+def run_plan(spec: Spec) -> dict[str, Any]:
+    """Every key of the plan file ({key: {"pause_at": point or null, "reconcile": bool}})
+    in a thread of its own, on one ledger. Once every pausing key has reached its point the
+    marker is written ({"keys": [...]}) and they stay there until SIGKILL: one process dying
+    with many calls in flight. Keys without a point run to the end; the report maps each key
+    to what its call did."""
+    plan: dict[str, dict[str, Any]] = json.loads(Path(str(spec.plan)).read_text("utf-8"))
+    for key, step in plan.items():
+        if step.get("pause_at") not in (None, *POINTS):
+            raise ValueError(f"{key}: unknown point {step['pause_at']!r}")
+    provider = Provider(spec.provider)
+    ledger = Ledger(backend_from_url(spec.ledger), lease_s=spec.lease_s, wait_s=spec.wait_s)
+    pausing = {key for key, step in plan.items() if step.get("pause_at")}
+    arrived: list[str] = []
+    lock = threading.Lock()
+
+    def reach(key: str, point: str) -> None:
+        if point != plan[key].get("pause_at"):
+            return
+        with lock:
+            arrived.append(key)
+            if len(arrived) == len(pausing) and spec.marker:
+                note = {"pid": os.getpid(), "keys": arrived, "at": time.time()}
+                _write_atomically(Path(spec.marker), json.dumps(note))
+        _hold(spec.release)
+
+    ledger.add_listener(_listener(lambda key: key in plan, reach))
+    reports: dict[str, Any] = {}
+
+    def call(key: str) -> None:
+        reports[key] = _call(spec, ledger, provider, key, bool(plan[key].get("reconcile")), reach)
+
+    threads = [threading.Thread(target=call, args=(key,), daemon=True) for key in plan]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ledger.close()
+    if spec.report:
+        _write_atomically(Path(spec.report), json.dumps(reports))
+    return reports
+
+
+def _listener(mine: Callable[[str], bool], reach: Callable[[str, str], None]) -> Any:
+    """Ledger events of this process's own claims and commits, as points reached."""
+    me = os.getpid()
+
     def listener(kind: str, record: Record) -> None:
-        if record.key != spec.key or record.owner is None or record.owner.pid != me:
+        if not mine(record.key) or record.owner is None or record.owner.pid != me:
             return
         if kind == "claim":
-            reach("after_claim")
+            reach(record.key, "after_claim")
         elif kind == "commit":
-            reach("after_commit")
+            reach(record.key, "after_commit")
+
+    return listener
+
+
+def _call(
+    spec: Spec,
+    ledger: Ledger,
+    provider: Provider,
+    key: str,
+    reconcile: bool,
+    reach: Callable[[str, str], None],
+) -> dict[str, Any]:
+    """One guarded charge of `key`; what it returned or raised, and the record it left."""
+    calls: list[str] = []
+    args = tool_args(key, spec.amount)
 
     def charge() -> str:
-        reach("before_effect")
+        reach(key, "before_effect")
         if spec.work_s:
             time.sleep(spec.work_s)
-        receipt = provider.charge(spec.key)
-        reach("after_effect")
+        receipt = provider.charge(key)
+        reach(key, "after_effect")
         return receipt
 
-    ledger.add_listener(listener)
-    report: dict[str, Any] = {"key": spec.key, "pid": me, "started": time.time()}
+    report: dict[str, Any] = {"key": key, "pid": os.getpid(), "started": time.time()}
     try:
         outcome = ledger.execute(
-            spec.key,
+            key,
             charge,
-            fingerprint=fingerprint(spec.args),
-            args=spec.args,
-            reconcile=reconciler(provider, calls) if spec.reconcile else None,
+            fingerprint=fingerprint(args),
+            args=args,
+            reconcile=reconciler(provider, calls) if reconcile else None,
             on_stale=spec.on_stale,  # type: ignore[arg-type]
         )
     except IdempotencyError as exc:
@@ -163,11 +244,7 @@ def run(spec: Spec) -> dict[str, Any]:
             value=outcome.value,
             record=json.loads(outcome.record.to_json()),
         )
-    finally:
-        ledger.close()
     report.update(reconcile_calls=calls, finished=time.time())
-    if spec.report:
-        _write_atomically(Path(spec.report), json.dumps(report))
     return report
 
 
@@ -217,6 +294,7 @@ def _parse(argv: list[str] | None) -> Spec:
     parser.add_argument("--wait-s", type=float, default=30.0)
     parser.add_argument("--work-s", type=float, default=0.0)
     parser.add_argument("--amount", type=int, default=100)
+    parser.add_argument("--plan", help="a JSON file of keys to run at once (see run_plan)")
     return Spec(**vars(parser.parse_args(argv)))
 
 
