@@ -3,6 +3,7 @@ and no option a URL carries is ever ignored."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from crewai_idempotent import (
     LedgerConfigurationError,
     SQLiteCacheBackend,
     backend_from_url,
+    backends,
 )
+from crewai_idempotent.backends import _url as backends_url
 from crewai_idempotent.backends._options import redact
 from crewai_idempotent.backends.filelock import file_url
 from crewai_idempotent.backends.sqlite import sqlite_url
@@ -133,3 +136,39 @@ def test_redact() -> None:
     assert redact("sqlite:////abs/ledger.db?synchronous=NORMAL") == (
         "sqlite:////abs/ledger.db?synchronous=NORMAL"
     )
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite:///ledger.db?synchronus=NORMAL", "unknown option 'synchronus'"),
+        ("file:///tmp/ledger?fsnyc=no", "unknown option 'fsnyc'"),
+        ("memory://?durable=yes", "unknown option 'durable'"),
+        ("postgresql://app@127.0.0.1:1/db?tabel=x", "unknown PostgreSQL URL option 'tabel'"),
+        ("postgresql://app@127.0.0.1:1/db?timeout_s=-1", "timeout_s must be a positive"),
+        ("redis://127.0.0.1:1/0?prefx=x", "unknown Redis URL option 'prefx'"),
+        ("redis://127.0.0.1:1/0?retries=-1", "retries must be a whole number"),
+    ],
+)
+def test_each_backend_reads_its_own_url_strictly(in_tmp: Path, url: str, message: str) -> None:
+    """The class's from_url refuses what backend_from_url refuses, with the same error,
+    before anything is created or connected."""
+    scheme = url.split(":", 1)[0]
+    cls = getattr(backends, backends_url.SCHEMES[scheme][1])
+    with pytest.raises(LedgerConfigurationError, match=message):
+        cls.from_url(url)
+    with pytest.raises(LedgerConfigurationError, match=message):
+        backend_from_url(url)
+    assert list(in_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("module", ["sqlite", "filelock", "memory", "postgres", "redis"])
+def test_no_backend_imports_the_scheme_table(module: str) -> None:
+    """The scheme table loads the backends, never the other way round: a backend module
+    imported alone leaves `_url` unloaded."""
+    name = f"crewai_idempotent.backends.{module}"
+    code = (
+        f"import sys, {name}; "
+        "assert 'crewai_idempotent.backends._url' not in sys.modules, 'imported _url'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

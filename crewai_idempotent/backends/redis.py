@@ -17,6 +17,9 @@ The backend warns when the server it talks to persists nothing, or only RDB snap
 Every operation ends within `timeout_s`, resends included: the socket timeouts of each
 attempt are set to the time the operation has left (`_redis_deadline`), so neither a
 frozen server nor a network that drops packets can stretch it.
+
+Beside the class: the check of the server's persistence settings (also used by `doctor`),
+and the options a Redis URL may carry, checked against the installed redis-py.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ _REPLACE = (
 _GET = "SELECT doc FROM idempotency_records WHERE key = ?"
 _DELETE = "DELETE FROM idempotency_records WHERE key = ? AND token = ? AND revision = ?"
 
-
+# Every backend of this process, so that one opening a file can tell that another object
+# holds connections to it inherited through a fork that skipped the hooks.
 _backends: weakref.WeakSet[SQLiteCacheBackend] = weakref.WeakSet()
 
 
