@@ -1,8 +1,12 @@
-"""The errors the guard raises, and the one signal a tool body may raise."""
+"""The errors the guard raises, the one signal a tool body may raise, and how a body's
+exception is recorded (`classify_failure`): what proves nothing happened, and what does not."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
+
+from ._status import Status
 
 if TYPE_CHECKING:
     from ._record import Record
@@ -185,3 +189,25 @@ class SpendCapExceeded(IdempotencyError):
             f"units) on top of {spent} spent and {reserved} reserved would exceed the limit of "
             f"{limit} {currency}; nothing was run"
         )
+
+
+def classify_failure(exc: BaseException) -> tuple[Status, str]:
+    """How a body's exception is recorded: FAILED (the next attempt runs) only for an
+    ordinary exception; UNCERTAIN for anything that does not prove the effect is absent."""
+    if isinstance(exc, OutcomeUnknown):
+        return Status.UNCERTAIN, f"the tool reported an unknown outcome: {exc}"
+    if isinstance(exc, TimeoutError | asyncio.CancelledError) or _looks_like_timeout(exc):
+        return Status.UNCERTAIN, (
+            f"the body was interrupted ({type(exc).__name__}: {exc}); a timeout or "
+            "cancellation does not prove the effect did not happen"
+        )
+    if not isinstance(exc, Exception):
+        return Status.UNCERTAIN, f"the body was interrupted by {type(exc).__name__}"
+    return Status.FAILED, f"{type(exc).__name__}: {exc}"
+
+
+def _looks_like_timeout(exc: BaseException) -> bool:
+    # HTTP clients' timeouts (requests' ReadTimeout, httpx's TimeoutException, urllib3's
+    # ReadTimeoutError) do not subclass TimeoutError; a request that timed out may still
+    # have been carried out, so treat them as unknown rather than as a safe failure.
+    return any("timeout" in cls.__name__.lower() for cls in type(exc).__mro__)

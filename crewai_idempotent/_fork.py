@@ -91,3 +91,24 @@ def _call(hook: Callable[[], None]) -> None:
 os.register_at_fork(
     before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child
 )
+
+
+class LockedAcrossFork:
+    """Fork hooks for an object whose state `_lock` guards: the lock is held across fork(),
+    so the child copies that state whole, never mid-change. The child gets a new lock and
+    forgets what belongs to the parent's threads (`_forget_in_child`)."""
+
+    _lock: threading.Lock
+
+    def before_fork(self) -> None:
+        self._lock.acquire()
+
+    def after_fork_in_parent(self) -> None:
+        self._lock.release()
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._forget_in_child()
+
+    def _forget_in_child(self) -> None:
+        raise NotImplementedError

@@ -1,73 +1,67 @@
 """The guard: claim a key durably before the body runs, replay its receipt afterwards.
 
-The decisions are written once, as generators that yield the blocking steps they need
-(`_Call` a backend, `_Sleep`, `_Park` until news of a key, `_Ask` a reconciler) and
-receive their results. Two drivers perform those steps: `_drive` in the calling thread
-(`run`, `execute`), and `_adrive` on the event loop (`arun`, `aexecute`), where sleeping
-and waiting are `asyncio` waits and backend calls run on the ledger's own bounded thread
-pools: one lane for claims and reads, another for commits, so that an owner's commit
-never queues behind the claims of its waiters.
+`Ledger` is the public face: `run`/`execute` in the calling thread and `arun`/`aexecute`
+on the event loop, and the operator's `get`, `records`, `resolve` and `purge`. What to do
+with what the store holds is decided once, in `_machine`, as generators that yield the
+blocking steps they need; the two drivers here perform those steps: `_drive` in the
+calling thread, `_adrive` on the event loop, where sleeping and waiting are `asyncio`
+waits and backend calls run on the ledger's own bounded thread pools (`_rooms._Lanes`).
 
-Callers of one key in one process meet in a `_Room`: one of them asks the store at a
-time (the claim, a poll, a takeover) and publishes what it learnt; the others park until
-that news, or until this process commits the key. A thousand waiters cost one poller.
+Longer than the other core modules because the sync and async entries (`execute` and
+`aexecute`, `_drive` and `_adrive`) stay side by side: every difference between the two
+paths is visible on one screen, so they cannot drift apart unnoticed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import getpass
-import inspect
 import logging
-import os
-import threading
 import time
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, TypeVar
 
-from . import _fork
 from ._backend import CacheBackend
 from ._errors import (
     BodyFailed,
     IdempotencyError,
-    IdempotencyKeyConflict,
     LedgerUnavailable,
-    OperationInProgress,
     OutcomeUncertain,
-    OutcomeUnknown,
-    ResolutionRefused,
+    classify_failure,
 )
 from ._keys import validate_key
-from ._reconcile import Absent, Found, Unknown, Verdict
-from ._record import _HOST, Event, Owner, Peek, Record, Status
-from ._results import decode, encode
+from ._leases import _Claim, _LeaseKeeper
+from ._machine import _Machine
+from ._policy import (
+    STALE_POLICIES,
+    Clock,
+    Listener,
+    Reconciler,
+    StalePolicy,
+    _Options,
+    check_durations,
+)
+from ._reconcile import aask, ask
+from ._record import Record, Status, _whoami
+from ._rooms import _Lanes, _Rooms
+from ._steps import _MISSING, Outcome, Step, _Ask, _Call, _Park, _Sleep
+
+# Names other modules import from here: the guard's public face in one place.
+__all__ = [
+    "Clock",
+    "Ledger",
+    "Listener",
+    "Outcome",
+    "Reconciler",
+    "StalePolicy",
+    "classify_failure",
+    "current_claim",
+]
 
 log = logging.getLogger("crewai_idempotent")
 
 T = TypeVar("T")
-StalePolicy = Literal["uncertain", "reconcile", "retry"]
-Reconciler = Callable[[str, Any], Any]
-Listener = Callable[[str, Record], None]
-
-_MISSING: Any = object()
-_UNKNOWN: Any = object()  # a room whose members have not asked the store yet
-# How long a member waits for the one holding its room before looking again; the holder
-# wakes it sooner when it learns something or lets go.
-_HOLDER_PAUSE = 0.2
-# Waiters woken per turn of the event loop: a thousand waiters woken by one commit
-# resume a batch at a time, so other work on the loop is never held up for long.
-_WAKE_BATCH = 32
-
-# Threads per lane of the async path. Claims and reads share one lane; commits, failures
-# and releases get their own, so a crowd of claimants never delays an owner's commit.
-# Both are small: a store serialises writes to one key anyway, and server pools are
-# sized for a handful of connections per process.
-IO_THREADS = 4
-SETTLE_THREADS = 2
 
 _current_claim: ContextVar[Record | None] = ContextVar(
     "crewai_idempotent_current_claim", default=None
@@ -83,109 +77,7 @@ def current_claim() -> Record | None:
     return _current_claim.get()
 
 
-class Outcome(Generic[T]):
-    """What `Ledger.execute` returns: the value, whether it was replayed, and the record.
-
-    A replay from the fast path holds a `Peek` and builds `record` on first access, so a
-    caller that wants only the value never pays for decoding the history.
-    """
-
-    __slots__ = ("_record", "replayed", "value")
-
-    def __init__(self, value: T, replayed: bool, record: Record | Peek) -> None:
-        self.value = value
-        self.replayed = replayed
-        self._record = record
-
-    @property
-    def record(self) -> Record:
-        record = self._record
-        if type(record) is Peek:
-            record = self._record = record.record()
-        assert isinstance(record, Record)
-        return record
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Outcome):
-            return NotImplemented
-        mine, theirs = (
-            (self.value, self.replayed, self.record),
-            (other.value, other.replayed, other.record),
-        )
-        return mine == theirs
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"Outcome(value={self.value!r}, replayed={self.replayed!r}, record={self.record!r})"
-
-
-@dataclass(slots=True)  # not frozen: built on every call, and frozen fields cost a call each
-class _Options:
-    fingerprint: str
-    args: Any
-    wait_s: float
-    lease_s: float
-    ttl: float | None
-    reconcile: Reconciler | None
-    on_stale: StalePolicy
-
-
-class _Call:
-    """A backend call. `claims` is the PENDING record the call stores if it succeeds: if
-    an async caller is cancelled while it is in flight, a claim that landed is released."""
-
-    __slots__ = ("args", "claims", "fn")
-
-    def __init__(self, fn: Callable[..., Any], *args: Any, claims: Record | None = None) -> None:
-        self.fn, self.args, self.claims = fn, args, claims
-
-
-class _Sleep:
-    __slots__ = ("seconds",)
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-
-class _Park:
-    """Wait until the room has news after generation `seen`, or `seconds` pass."""
-
-    __slots__ = ("room", "seconds", "seen")
-
-    def __init__(self, room: _Room, seen: int, seconds: float) -> None:
-        self.room, self.seen, self.seconds = room, seen, seconds
-
-
-class _Ask:
-    __slots__ = ("args", "key", "reconcile")
-
-    def __init__(self, reconcile: Reconciler, key: str, args: Any) -> None:
-        self.reconcile, self.key, self.args = reconcile, key, args
-
-
-Step = Generator[_Call | _Sleep | _Park | _Ask, Any, T]
-
-
-class _Claim:
-    """A claim this process holds; the lease keeper renews it until `done`."""
-
-    __slots__ = ("by", "done", "due", "lease_s", "lock", "lost", "pid", "record", "ttl")
-
-    def __init__(self, record: Record, options: _Options, by: str | None = None) -> None:
-        self.record = record
-        # Who the history names for the outcome: the owner, labelled once per claim.
-        self.by = by or (record.owner.label if record.owner else _whoami())
-        self.lease_s = options.lease_s
-        self.ttl = options.ttl
-        self.lock = threading.Lock()
-        self.done = False
-        self.lost = False
-        self.due = 0.0
-        self.pid = os.getpid()  # a forked child inherits the object, not the claim
-
-
-class Ledger:
+class Ledger(_Machine):
     """Claim-before-execute, replay-after-commit, over any `CacheBackend`.
 
     `run(key, fn)` runs `fn` at most once per key across threads, processes and (with a
@@ -203,10 +95,11 @@ class Ledger:
         on_stale: StalePolicy | None = None,
         listener: Listener | None = None,
         commit_retry_s: float = 10.0,
+        clock: Clock | None = None,
     ) -> None:
         if not isinstance(backend, CacheBackend):
             raise TypeError(f"backend must be a CacheBackend, not {type(backend).__name__}")
-        _check_durations(wait_s=wait_s, lease_s=lease_s, ttl=ttl)
+        check_durations(wait_s, lease_s, ttl)
         self.backend = backend
         self.wait_s = wait_s
         self.lease_s = lease_s
@@ -214,8 +107,11 @@ class Ledger:
         self.on_stale = on_stale
         self.commit_retry_s = commit_retry_s
         self._listeners: list[Listener] = [listener] if listener else []
+        self._clock = clock
+        self._monotonic = time.monotonic if clock is None else clock.monotonic
+        self._sleep = time.sleep if clock is None else clock.sleep
         self._keeper = _LeaseKeeper(backend)
-        self._rooms = _Rooms()
+        self._rooms = _Rooms(clock)
         self._lanes = _Lanes()
 
     def __repr__(self) -> str:
@@ -382,7 +278,7 @@ class Ledger:
         self._lanes.close()
         self.backend.close()
 
-    # -- decisions ---------------------------------------------------------------------
+    # -- a call's options, and its outcome when the body is done ---------------------
 
     def _options(
         self,
@@ -400,289 +296,15 @@ class Ledger:
             wait_s = self.wait_s if wait_s is None else wait_s
             lease_s = self.lease_s if lease_s is None else lease_s
             ttl = self.ttl if ttl is _MISSING else ttl
-            _check_durations(wait_s=wait_s, lease_s=lease_s, ttl=ttl)
+            check_durations(wait_s, lease_s, ttl)
         policy = on_stale or self.on_stale or ("reconcile" if reconcile else "uncertain")
-        if policy not in ("uncertain", "reconcile", "retry"):
-            raise ValueError(
-                f"on_stale must be 'uncertain', 'reconcile' or 'retry', not {policy!r}"
-            )
+        if policy not in STALE_POLICIES:
+            raise ValueError(f"on_stale must be one of {', '.join(STALE_POLICIES)}, not {policy!r}")
         if policy == "reconcile" and reconcile is None:
             raise ValueError("on_stale='reconcile' needs a reconcile= callable")
         if not isinstance(fingerprint, str):
             raise TypeError("fingerprint must be a str (see crewai_idempotent.fingerprint)")
         return _Options(fingerprint, args, wait_s, lease_s, ttl, reconcile, policy)
-
-    def _acquire(self, key: str, o: _Options) -> Step[_Claim | Outcome[Any]]:
-        peeked: Peek | None = None
-        if self.backend.read_first:
-            # A replay is a read: no write lock, no claim record, no room, and only the
-            # result decoded. Anything else goes the full way below, which decides (and
-            # writes) with the whole record.
-            peeked = yield _Call(self.backend.peek, key)
-            if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now()):
-                if self._listeners:
-                    self._emit("replay", peeked.record())
-                return Outcome(decode(peeked.result), True, peeked)
-        rooms = self._rooms
-        # Nothing known of the key: the first caller in the room holds it from the start
-        # and claims (what _acquire_in would do, with half the trips through the lock).
-        room, holding = rooms.enter(key, hold=peeked is None)
-        me = object()
-        try:
-            if holding:
-                try:
-                    claim = yield from self._claim(room, o)
-                finally:
-                    rooms.release(room)
-                if claim is not None:
-                    return claim
-            elif peeked is not None:
-                rooms.publish(key, peeked.record(), read=True)  # spares a failing claim
-            return (yield from self._acquire_in(room, o, me))
-        finally:
-            rooms.leave(room, me)
-
-    def _acquire_in(self, room: _Room, o: _Options, me: object) -> Step[_Claim | Outcome[Any]]:
-        """Judge the latest news of the key; to learn more or to act, hold the room.
-
-        Only the member holding the room talks to the store; every write it makes and
-        every record it reads is published to the room, so the other members judge the
-        same record without asking the store themselves.
-        """
-        rooms, key = self._rooms, room.key
-        started = time.monotonic()
-        seen, held = rooms.news(room)
-        while True:
-            if held is _UNKNOWN:
-                if not rooms.hold(room, seen):
-                    yield _Park(room, seen, _HOLDER_PAUSE)
-                    seen, held = self._catch_up(room, seen, held)
-                    continue
-                try:
-                    if room.latest is _UNKNOWN or room.latest is None:
-                        claim = yield from self._claim(room, o)
-                        if claim is not None:
-                            return claim
-                    else:
-                        try:
-                            found = yield _Call(self.backend.get, key)
-                        except LedgerUnavailable as exc:
-                            rooms.publish_error(key, exc)
-                            raise
-                        rooms.publish(key, found, read=True)
-                finally:
-                    rooms.release(room)
-                seen, held = rooms.news(room)
-                continue
-
-            now = self.backend.now()
-            status = held.status if held is not None else None
-            if held is not None and status is not Status.PENDING and status is not Status.FAILED:
-                if status is Status.COMMITTED and not held.expired(now):
-                    self._check_fingerprint(held, o)
-                    self._emit("replay", held)
-                    return Outcome(held.value(), True, held)
-                if status is Status.UNCERTAIN:
-                    self._check_fingerprint(held, o)
-                    if o.reconcile is None or held.needs_operator:
-                        self._emit("uncertain", held)
-                        raise OutcomeUncertain(key, held, held.error or "the outcome is unknown")
-            if held is not None and status is Status.PENDING and held.lease_live(now):
-                self._check_fingerprint(held, o)
-                waited = time.monotonic() - started
-                if waited >= o.wait_s:
-                    self._emit("in_progress", held)
-                    raise OperationInProgress(key, held, waited)
-                lease_left = (held.lease_expires_at or now) - now
-                if rooms.hold(room, seen):
-                    # This member polls for everyone; news from this process (the
-                    # owner's commit) ends the pause early and spares the read.
-                    room.poller = me
-                    polled = False
-                    try:
-                        pause = min(room.delay, o.wait_s - waited, lease_left + 0.001)
-                        yield _Park(room, seen, pause)
-                        if rooms.news(room)[0] == seen:
-                            room.delay = min(room.delay * 2, 0.2)
-                            try:
-                                found = yield _Call(self.backend.get, key)
-                            except LedgerUnavailable as exc:
-                                rooms.publish_error(key, exc)
-                                raise
-                            rooms.publish(key, found, read=True)
-                        polled = True
-                    finally:
-                        rooms.release(room, wake=not polled)
-                    seen, held = rooms.news(room)
-                else:  # woken by news, or when the poller leaves
-                    yield _Park(room, seen, min(o.wait_s - waited, lease_left + 0.001))
-                    seen, held = self._catch_up(room, seen, held)
-                continue
-
-            # Every other state needs a write: one member at a time makes it.
-            if status is Status.PENDING:
-                self._check_fingerprint(held, o)
-            if not rooms.hold(room, seen):
-                yield _Park(room, seen, _HOLDER_PAUSE)
-                seen, held = self._catch_up(room, seen, held)
-                continue
-            try:
-                answer = yield from self._act(room, held, o, now)
-                if answer is not None:
-                    return answer
-                if rooms.news(room)[0] == seen:  # lost a race and learnt nothing: look
-                    found = yield _Call(self.backend.get, key)
-                    rooms.publish(key, found, read=True)
-            except LedgerUnavailable as exc:
-                rooms.publish_error(key, exc)
-                raise
-            finally:
-                rooms.release(room)
-            seen, held = rooms.news(room)
-
-    def _catch_up(self, room: _Room, seen: int, held: Any) -> tuple[int, Any]:
-        """After a pause: the room's news if there is any, else what this member knew."""
-        generation, latest = self._rooms.news(room)
-        if generation == seen:
-            return seen, held
-        error = room.error
-        if error is not None and latest is _UNKNOWN:
-            raise LedgerUnavailable(error.message) from error
-        return generation, latest
-
-    def _claim(self, room: _Room, o: _Options) -> Step[_Claim | None]:
-        """Insert the claim; None (with the holder published) if the key is taken."""
-        now = self.backend.now()
-        owner = Owner.current()
-        label = owner.label
-        record = Record(
-            room.key, Status.PENDING, o.fingerprint, 1, 1, owner, 1, now, now, now + o.lease_s,
-            None, None, None, False, (), (Event(now, "claim", 1, label),),
-        )  # fmt: skip
-        try:
-            holder = yield _Call(self.backend.insert, record, claims=record)
-        except LedgerUnavailable as exc:
-            self._rooms.publish_error(room.key, exc)
-            yield from self._release_unanswered(record)
-            raise
-        if holder is None:
-            self._rooms.publish(room.key, record)
-            self._emit("claim", record)
-            return _Claim(record, o, label)
-        self._rooms.publish(room.key, holder, read=True)
-        return None
-
-    def _act(
-        self, room: _Room, held: Record | None, o: _Options, now: float
-    ) -> Step[_Claim | Outcome[Any] | None]:
-        """The write a record calls for; None if another writer got there first."""
-        if held is None:
-            return (yield from self._claim(room, o))
-        status = held.status
-        if status is Status.COMMITTED:  # expired
-            return (yield from self._take_over(held, o, "expire", "TTL passed; new operation"))
-        if status is Status.FAILED:
-            return (yield from self._take_over(held, o, "takeover", "previous attempt failed"))
-        if status is Status.UNCERTAIN:  # with a reconciler
-            return (yield from self._reconcile(held, o, "uncertain"))
-        # PENDING whose owner stopped renewing the lease
-        lapse = f"lease expired {now - (held.lease_expires_at or now):.1f} s ago"
-        if o.on_stale == "retry":
-            return (yield from self._take_over(held, o, "takeover", f"{lapse}; on_stale=retry"))
-        if o.on_stale == "reconcile":
-            return (yield from self._reconcile(held, o, lapse))
-        yield from self._mark_uncertain(
-            held,
-            f"its owner {_label(held)} stopped renewing its lease ({lapse}) "
-            "before committing: the effect may or may not have happened",
-        )
-        return None
-
-    def _release_unanswered(self, record: Record) -> Step[None]:
-        """The store failed to answer a claim that may nonetheless have landed. The body
-        never started, so if the claim is there it is released as FAILED rather than left
-        to lapse into an uncertain record."""
-        try:
-            held = yield _Call(self.backend.get, record.key)
-            if held is None or held.owner != record.owner or held.token != record.token:
-                return
-            now = self.backend.now()
-            note = "the store did not answer the claim; the body never started"
-            released = held.evolve(
-                Event(now, "fail", held.token, _label(held), note),
-                status=Status.FAILED, error=note, updated_at=now, lease_expires_at=None,
-            )  # fmt: skip
-            if (yield _Call(self.backend.replace, held, released)):
-                self._rooms.publish(released.key, released)
-        except LedgerUnavailable:
-            pass  # still unreachable: a claim that landed lapses and is treated as stale
-
-    def _check_fingerprint(self, held: Record, o: _Options) -> None:
-        if held.fingerprint != o.fingerprint:
-            self._emit("conflict", held)
-            raise IdempotencyKeyConflict(held.key, held.fingerprint, o.fingerprint)
-
-    def _take_over(self, held: Record, o: _Options, kind: str, note: str) -> Step[_Claim | None]:
-        now = self.backend.now()
-        owner = Owner.current()
-        token = held.token + 1
-        new = held.evolve(
-            Event(now, kind, token, owner.label, note),
-            status=Status.PENDING,
-            fingerprint=o.fingerprint,
-            token=token,
-            owner=owner,
-            attempts=1 if kind == "expire" else held.attempts + 1,
-            updated_at=now,
-            lease_expires_at=now + o.lease_s,
-            expires_at=None,
-            result=None,
-            error=None,
-        )
-        if (yield _Call(self.backend.replace, held, new, claims=new)):
-            self._rooms.publish(new.key, new)
-            self._emit("claim", new)
-            return _Claim(new, o)
-        return None
-
-    def _mark_uncertain(self, held: Record, reason: str) -> Step[None]:
-        now = self.backend.now()
-        new = held.evolve(
-            Event(now, "uncertain", held.token, _this_process(), reason),
-            status=Status.UNCERTAIN,
-            updated_at=now,
-            lease_expires_at=None,
-            error=reason,
-        )
-        if (yield _Call(self.backend.replace, held, new)):
-            self._rooms.publish(new.key, new)
-            self._emit("uncertain", new)
-            raise OutcomeUncertain(held.key, new, reason)
-
-    def _reconcile(self, held: Record, o: _Options, why: str) -> Step[Outcome[Any] | _Claim | None]:
-        assert o.reconcile is not None
-        verdict = yield _Ask(o.reconcile, held.key, o.args)
-        now = self.backend.now()
-        if isinstance(verdict, Found):
-            new = held.evolve(
-                Event(now, "reconcile", held.token, _this_process(), f"{why}; reconciler found it"),
-                status=Status.COMMITTED,
-                updated_at=now,
-                lease_expires_at=None,
-                expires_at=now + o.ttl if o.ttl else None,
-                result=encode(verdict.result),
-                error=None,
-            )
-            if (yield _Call(self.backend.replace, held, new)):
-                self._rooms.publish(new.key, new)
-                self._emit("reconciled", new)
-                return Outcome(verdict.result, True, new)
-            return None
-        if isinstance(verdict, Absent):
-            return (yield from self._take_over(held, o, "takeover", f"{why}; reconciler: absent"))
-        assert isinstance(verdict, Unknown)
-        yield from self._mark_uncertain(held, f"{why}; {verdict.reason}")
-        return None
 
     def _unrecorded(self, claim: _Claim, value: Any) -> Outcome[Any]:
         # The effect happened and its receipt is in hand, so the caller gets it. The record
@@ -721,221 +343,6 @@ class Ledger:
         record = error.record if isinstance(error, OutcomeUncertain) else None
         return BodyFailed(claim.record.key, status, reason, record)
 
-    def _finish(
-        self, claim: _Claim, status: Status, *, value: Any = _MISSING, reason: str | None = None
-    ) -> Step[Outcome[Any]]:
-        if claim.pid != os.getpid():
-            # A child forked while the body ran: the claim is its parent's to settle.
-            raise LedgerUnavailable(
-                f"the claim on {claim.record.key!r} belongs to process {claim.pid}, which "
-                f"forked this one ({os.getpid()}); only its owner records its outcome"
-            )
-        with claim.lock:  # no renewal may write after this point
-            claim.done = True
-            current = claim.record
-        now = self.backend.now()
-        owner = claim.by
-        if status is Status.COMMITTED:
-            payload = encode(value)
-            kind = "commit"
-            new = current.settled(
-                Event(now, kind, current.token, owner, ""),
-                status,
-                now,
-                result=payload,
-                expires_at=now + claim.ttl if claim.ttl else None,
-            )
-        else:
-            payload = None
-            kind = "fail" if status is Status.FAILED else "uncertain"
-            new = current.settled(
-                Event(now, kind, current.token, owner, reason or ""),
-                status,
-                now,
-                error=reason,
-                expires_at=current.expires_at,
-            )
-        deadline = time.monotonic() + self.commit_retry_s
-        delay = 0.05
-        while True:
-            try:
-                stored = yield _Call(self.backend.replace, current, new)
-                break
-            except LedgerUnavailable:
-                # Keep trying for a while; past that the record stays PENDING, its lease
-                # lapses, and the next attempt treats it as uncertain (never a blind re-run).
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning(
-                    "ledger unavailable while recording %s for %r; retrying", kind, current.key
-                )
-                yield _Sleep(delay)
-                delay = min(delay * 2, 1.0)
-        if stored:
-            self._rooms.publish(new.key, new)
-            self._emit(kind, new)
-            return Outcome(value, False, new)
-        if status is Status.FAILED:
-            log.warning("claim on %r was taken over while its body failed", current.key)
-            return Outcome(None, False, current)
-        try:
-            settled = yield from self._fenced(current, kind, payload, reason)
-        except LedgerUnavailable as exc:
-            raise OutcomeUncertain(
-                current.key, None, f"the claim was taken over and the ledger is unavailable: {exc}"
-            ) from exc
-        return Outcome(value, False, settled)
-
-    def _fenced(self, mine: Record, kind: str, payload: Any, reason: str | None) -> Step[Record]:
-        """Our commit was refused: someone else wrote the record while our body ran.
-
-        If the token is still ours, nobody took the claim over: a reconciler or an operator
-        committed it from this very execution while we were slow. One execution happened;
-        the record stays COMMITTED (a differing receipt of ours is kept as evidence) and the
-        settled record is returned. Otherwise two executions may have happened: the record
-        becomes UNCERTAIN with needs_operator, and OutcomeUncertain is raised.
-        """
-        note = (
-            f"worker {_label(mine)} (token {mine.token}) finished ({kind}) after its claim was "
-            "taken over: two executions may have happened"
-        )
-        evidence = {
-            "token": mine.token,
-            "owner": _label(mine),
-            "outcome": kind,
-            "result": payload,
-            "error": reason,
-            "at": self.backend.now(),
-        }
-        while True:
-            held = yield _Call(self.backend.get, mine.key)
-            now = self.backend.now()
-            if held is not None and held.token == mine.token and not held.needs_operator:
-                settled = yield from self._late(held, mine, kind, payload, reason, evidence, now)
-                if settled is not None:
-                    return settled
-                continue
-            if held is None:
-                new = mine.evolve(
-                    Event(now, "fenced", mine.token, _label(mine), note),
-                    status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
-                    error=note, needs_operator=True, evidence=(*mine.evidence, evidence),
-                )  # fmt: skip
-                if (yield _Call(self.backend.insert, new)) is None:
-                    self._rooms.publish(new.key, new)
-                    break
-                continue
-            new = held.evolve(
-                Event(now, "fenced", held.token, _label(mine), note),
-                status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
-                error=note, needs_operator=True, evidence=(*held.evidence, evidence),
-            )  # fmt: skip
-            if (yield _Call(self.backend.replace, held, new)):
-                self._rooms.publish(new.key, new)
-                break
-        self._emit("uncertain", new)
-        raise OutcomeUncertain(mine.key, new, note)
-
-    def _late(
-        self,
-        held: Record,
-        mine: Record,
-        kind: str,
-        payload: Any,
-        reason: str | None,
-        evidence: dict[str, Any],
-        now: float,
-    ) -> Step[Record | None]:
-        """The token is still ours: one execution happened, and this owner knows its outcome.
-
-        Someone settled the record while this execution was slow (a reconciler found it, an
-        operator resolved it, a retry marked the lapsed claim uncertain). What the owner
-        saw is the best evidence there is, so it wins unless it disagrees with a receipt.
-        """
-        if held.status is Status.COMMITTED:
-            if kind != "commit" or held.result == payload:
-                return held
-            late = "late commit of the same execution with a different receipt (evidence)"
-            new = held.evolve(
-                Event(now, "late", held.token, _label(mine), late),
-                evidence=(*held.evidence, evidence),
-            )
-        elif kind == "commit":
-            note = f"late commit: the owner finished after the record became {held.status}"
-            new = held.evolve(
-                Event(now, "commit", held.token, _label(mine), note),
-                status=Status.COMMITTED, result=payload, error=None, updated_at=now,
-                lease_expires_at=None, evidence=(*held.evidence, evidence),
-            )  # fmt: skip
-        elif held.status is Status.UNCERTAIN:
-            return held
-        else:
-            new = held.evolve(
-                Event(now, "uncertain", held.token, _label(mine), reason or ""),
-                status=Status.UNCERTAIN, error=reason, updated_at=now, lease_expires_at=None,
-            )  # fmt: skip
-        if (yield _Call(self.backend.replace, held, new)):
-            self._rooms.publish(new.key, new)
-            self._emit("commit" if new.status is Status.COMMITTED else "uncertain", new)
-            return new
-        return None
-
-    def _resolve(self, key: str, result: Any, absent: bool, by: str, reason: str) -> Step[Record]:
-        while True:
-            held = yield _Call(self.backend.get, key)
-            if held is None:
-                raise ResolutionRefused(f"no record for idempotency key {key!r}")
-            now = self.backend.now()
-            stale = held.status is Status.PENDING and not held.lease_live(now)
-            if held.status is not Status.UNCERTAIN and not stale:
-                raise ResolutionRefused(
-                    f"idempotency key {key!r} is {held.status}"
-                    + (" with a live lease" if held.status is Status.PENDING else "")
-                    + "; only UNCERTAIN records, or PENDING ones whose lease expired, are resolved"
-                )
-            verdict = "absent" if absent else "happened"
-            event = Event(now, "resolve", held.token, by, f"{verdict}: {reason}".rstrip(": "))
-            if absent:
-                new = held.evolve(
-                    event, status=Status.FAILED, updated_at=now, lease_expires_at=None,
-                    error=f"resolved absent by {by}: {reason}", needs_operator=False,
-                )  # fmt: skip
-            else:
-                new = held.evolve(
-                    event, status=Status.COMMITTED, updated_at=now, lease_expires_at=None,
-                    result=encode(result), error=None, needs_operator=False,
-                    expires_at=now + self.ttl if self.ttl else None,  # as a commit would
-                )  # fmt: skip
-            if (yield _Call(self.backend.replace, held, new)):
-                self._rooms.publish(new.key, new)
-                self._emit("resolve", new)
-                return new
-
-    def _read(self, key: str) -> Step[Record | None]:
-        return (yield _Call(self.backend.get, key))
-
-    def _scan(self, status: Status | None) -> Step[Any]:
-        return (yield _Call(lambda: list(self.backend.scan(status))))
-
-    def _delete(self, record: Record) -> Step[bool]:
-        deleted = yield _Call(self.backend.delete, record)
-        if deleted:
-            self._rooms.publish(record.key, None)
-        return bool(deleted)
-
-    def _release_unstarted(self, claim: Record) -> Step[None]:
-        # The body never started, so nothing can have happened: FAILED lets the next
-        # attempt run (a CancelledError from inside a body would make it UNCERTAIN).
-        note = "cancelled before the body started"
-        now = self.backend.now()
-        released = claim.evolve(
-            Event(now, "fail", claim.token, _label(claim), note),
-            status=Status.FAILED, error=note, updated_at=now, lease_expires_at=None,
-        )  # fmt: skip
-        if (yield _Call(self.backend.replace, claim, released)):
-            self._rooms.publish(claim.key, released)
-            self._emit("fail", released)
-
     # -- performing the steps ----------------------------------------------------------
 
     def _drive(self, steps: Step[T]) -> T:
@@ -959,10 +366,10 @@ class Ledger:
                 elif type(step) is _Park:
                     self._rooms.park(step.room, step.seen, step.seconds)
                 elif type(step) is _Sleep:
-                    time.sleep(max(step.seconds, 0.0))
+                    self._sleep(max(step.seconds, 0.0))
                 else:
                     assert type(step) is _Ask
-                    reply = _ask(step)
+                    reply = ask(step.reconcile, step.key, step.args)
         finally:
             steps.close()  # a member that leaves early still leaves its room
 
@@ -998,10 +405,13 @@ class Ledger:
                 elif type(step) is _Park:
                     await self._rooms.apark(step.room, step.seen, step.seconds)
                 elif type(step) is _Sleep:
-                    await asyncio.sleep(max(step.seconds, 0.0))
+                    if self._clock is None:
+                        await asyncio.sleep(max(step.seconds, 0.0))
+                    else:
+                        self._clock.sleep(max(step.seconds, 0.0))
                 else:
                     assert type(step) is _Ask
-                    reply = await _aask(step, self._lanes.io)
+                    reply = await aask(step.reconcile, step.key, step.args, self._lanes.io)
         finally:
             steps.close()
 
@@ -1035,366 +445,6 @@ class Ledger:
         error.__cause__ = exc
         return error
 
-    def _emit(self, kind: str, record: Record) -> None:
-        if not self._listeners:
-            return
-        for listener in self._listeners:
-            try:
-                listener(kind, record)
-            except Exception:
-                log.exception("idempotency listener %r failed on %s", listener, kind)
-
-
-class _LockedAcrossFork:
-    """Fork hooks for an object whose state `_lock` guards: the lock is held across fork(),
-    so the child copies that state whole, never mid-change. The child gets a new lock and
-    forgets what belongs to the parent's threads (`_forget_in_child`)."""
-
-    _lock: threading.Lock
-
-    def before_fork(self) -> None:
-        self._lock.acquire()
-
-    def after_fork_in_parent(self) -> None:
-        self._lock.release()
-
-    def after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
-        self._forget_in_child()
-
-    def _forget_in_child(self) -> None:
-        raise NotImplementedError
-
-
-class _Room:
-    """The callers of one key in one process (threads and tasks alike), and what they
-    last learnt about it. Guarded by the `_Rooms` lock."""
-
-    __slots__ = (
-        "delay", "error", "event", "futures", "generation", "held", "held_at", "key",
-        "latest", "members", "poller",
-    )  # fmt: skip
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.latest: Any = _UNKNOWN  # the newest record known here (None: absent)
-        self.error: LedgerUnavailable | None = None  # the last answer was this failure
-        self.generation = 0  # grows with every piece of news
-        self.held = False  # a member is asking the store or writing
-        self.held_at = 0
-        self.members = 0
-        self.poller: object | None = None  # the member that polls the store for the others
-        self.delay = 0.002  # the poller's pause; doubles up to 0.2 s
-        self.event: threading.Event | None = None  # parked threads
-        self.futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
-
-
-class _Rooms(_LockedAcrossFork):
-    """One room per key with callers waiting in this process; none when nobody waits."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._rooms: dict[str, _Room] = {}
-        _fork.register(self)
-
-    def __len__(self) -> int:
-        return len(self._rooms)
-
-    def enter(self, key: str, *, hold: bool = False) -> tuple[_Room, bool]:
-        """The key's room, and whether this member holds it: with `hold`, the member
-        that opens a new room holds it at once."""
-        with self._lock:
-            room = self._rooms.get(key)
-            holding = False
-            if room is None:
-                room = self._rooms[key] = _Room(key)
-                if hold:
-                    room.held, room.held_at, holding = True, room.generation, True
-            room.members += 1
-            return room, holding
-
-    def leave(self, room: _Room, member: object) -> None:
-        with self._lock:
-            room.members -= 1
-            if room.members <= 0:
-                if self._rooms.get(room.key) is room:
-                    del self._rooms[room.key]
-            elif room.poller is member:
-                room.poller = None
-                self._wake(room)  # the others need a new poller
-
-    def news(self, room: _Room) -> tuple[int, Any]:
-        with self._lock:
-            return room.generation, room.latest
-
-    def hold(self, room: _Room, seen: int) -> bool:
-        """Become the member that talks to the store, unless one is or news came in."""
-        with self._lock:
-            if room.held or room.generation != seen:
-                return False
-            room.held, room.held_at = True, room.generation
-            return True
-
-    def release(self, room: _Room, *, wake: bool = True) -> None:
-        with self._lock:
-            room.held = False
-            if wake and room.generation == room.held_at:
-                self._wake(room)  # nothing learnt: a parked member takes over
-
-    def publish(self, key: str, record: Record | None, *, read: bool = False) -> None:
-        """News of `key`: a record this process wrote (or read, or None: absent)."""
-        if key not in self._rooms:
-            # Nobody waits on the key. One who enters after this look has a new room
-            # and asks the store, which already holds what this news would say.
-            return
-        with self._lock:
-            room = self._rooms.get(key)
-            if room is None:
-                return
-            known = room.latest
-            if read and isinstance(known, Record) and record is not None:
-                # A read that started before a write of ours must not hide it, and one
-                # that saw nothing new is no news.
-                if (known.token, known.revision) >= (record.token, record.revision):
-                    return
-            elif read and known is None and record is None:
-                return
-            room.latest, room.error = record, None
-            self._wake(room)
-
-    def publish_error(self, key: str, error: LedgerUnavailable) -> None:
-        with self._lock:
-            room = self._rooms.get(key)
-            if room is not None:
-                room.error = error
-                self._wake(room)
-
-    def park(self, room: _Room, seen: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        with self._lock:
-            if room.generation != seen:
-                return
-            event = room.event
-            if event is None:
-                event = room.event = threading.Event()
-        event.wait(seconds)
-
-    async def apark(self, room: _Room, seen: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        with self._lock:
-            if room.generation != seen:
-                return
-            room.futures.setdefault(loop, []).append(future)
-        timer = loop.call_later(seconds, _resolve, future)
-        try:
-            await future  # cancelling this task cancels only its own future
-        finally:
-            timer.cancel()
-
-    def _wake(self, room: _Room) -> None:
-        room.generation += 1
-        if room.event is not None:
-            room.event.set()
-            room.event = None
-        if room.futures:
-            running = asyncio._get_running_loop()
-            for loop, futures in room.futures.items():
-                if loop is running:
-                    _resolve_batches(futures)
-                else:
-                    with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
-                        loop.call_soon_threadsafe(_resolve_batches, futures)
-            room.futures = {}
-
-    def _forget_in_child(self) -> None:
-        # The waiters are the parent's threads and tasks; none of them exist here.
-        self._rooms = {}
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _resolve_batches(futures: list[asyncio.Future[None]], start: int = 0) -> None:
-    end = start + _WAKE_BATCH
-    for future in futures[start:end]:
-        _resolve(future)
-    if end < len(futures):
-        asyncio.get_running_loop().call_soon(_resolve_batches, futures, end)
-
-
-class _Lanes(_LockedAcrossFork):
-    """The async path's thread pools, created on first use and again after fork().
-
-    `io` carries claims and reads; `settle` carries commits, failures and releases, so
-    an owner's commit never waits behind the claims of a crowd of waiters.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._io: concurrent.futures.ThreadPoolExecutor | None = None
-        self._settle: concurrent.futures.ThreadPoolExecutor | None = None
-        _fork.register(self)
-
-    def io(self) -> concurrent.futures.ThreadPoolExecutor:
-        return self._io or self._make("io", IO_THREADS)
-
-    def settle(self) -> concurrent.futures.ThreadPoolExecutor:
-        return self._settle or self._make("settle", SETTLE_THREADS)
-
-    def _make(self, lane: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
-        with self._lock:
-            pool: concurrent.futures.ThreadPoolExecutor | None = getattr(self, f"_{lane}")
-            if pool is None:
-                pool = concurrent.futures.ThreadPoolExecutor(
-                    threads, thread_name_prefix=f"crewai-idempotent-{lane}"
-                )
-                setattr(self, f"_{lane}", pool)
-            return pool
-
-    def close(self) -> None:
-        with self._lock:
-            pools, self._io, self._settle = (self._io, self._settle), None, None
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=False)
-
-    def _forget_in_child(self) -> None:
-        # The pools' threads stayed in the parent; dropped, never shut down from here.
-        self._io = self._settle = None
-
-
-class _LeaseKeeper(_LockedAcrossFork):
-    """One daemon thread per ledger that renews the leases of the claims this process runs.
-
-    Across fork() the child starts with an empty table: the claims are the parent's, and
-    renewing them from the child would keep a dead parent's claim alive as long as the
-    child lives. The child's own claims start the child's own thread.
-    """
-
-    def __init__(self, backend: CacheBackend) -> None:
-        self._backend = backend
-        self._claims: dict[int, _Claim] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        _fork.register(self)
-
-    def add(self, claim: _Claim) -> None:
-        claim.due = time.monotonic() + claim.lease_s / 3
-        with self._lock:
-            self._claims[id(claim)] = claim
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="crewai-idempotent-leases", daemon=True
-                )
-                self._thread.start()
-            elif claim.lease_s < 3.0:
-                self._wake.set()
-
-    def remove(self, claim: _Claim) -> None:
-        with self._lock:
-            self._claims.pop(id(claim), None)
-
-    def claims(self) -> list[Record]:
-        """The claims whose leases this process renews."""
-        with self._lock:
-            return [claim.record for claim in self._claims.values()]
-
-    def _forget_in_child(self) -> None:
-        self._claims = {}
-        self._wake = threading.Event()
-        self._thread = None
-
-    def _loop(self) -> None:
-        idle_since = time.monotonic()
-        me = threading.current_thread()
-        while True:
-            with self._lock:
-                if self._thread is not me:  # a fork() child's copy of the table
-                    return
-                claims = list(self._claims.values())
-                now = time.monotonic()
-                if not claims and now - idle_since > 5.0:
-                    self._thread = None
-                    return
-            if claims:
-                idle_since = now
-            due = min((c.due for c in claims), default=now + 1.0)
-            if due > now:
-                self._wake.wait(min(due - now, 1.0))
-                self._wake.clear()
-                continue
-            for claim in claims:
-                if claim.due <= time.monotonic():
-                    self._renew(claim)
-
-    def _renew(self, claim: _Claim) -> None:
-        with claim.lock:
-            if claim.done or claim.lost:
-                claim.due = float("inf")
-                return
-            current = claim.record
-            try:
-                now = self._backend.now()
-                new = current.evolve(None, lease_expires_at=now + claim.lease_s, updated_at=now)
-                stored = self._backend.replace(current, new)
-            except Exception:
-                log.warning("could not renew the lease on %r", current.key, exc_info=True)
-                claim.due = time.monotonic() + min(1.0, claim.lease_s / 10)
-                return
-            if stored:
-                claim.record = new
-                claim.due = time.monotonic() + claim.lease_s / 3
-            else:
-                claim.lost = True
-                claim.due = float("inf")
-                log.warning("lease on %r was taken over by another worker", current.key)
-
-
-def _ask(step: _Ask) -> Verdict:
-    """Call a reconciler from the sync path and normalise what it says."""
-    try:
-        answer = step.reconcile(step.key, step.args)
-        if inspect.isawaitable(answer):
-            close = getattr(answer, "close", None)
-            if close:
-                close()
-            return Unknown("an async reconciler cannot be used from the sync run()")
-    except Exception as exc:  # noqa: BLE001
-        return Unknown(f"reconciler raised {type(exc).__name__}: {exc}")
-    return _verdict(answer)
-
-
-async def _aask(step: _Ask, lane: Callable[[], concurrent.futures.Executor]) -> Verdict:
-    """Await an async reconciler on the loop; run a sync one on the lane."""
-    try:
-        if inspect.iscoroutinefunction(step.reconcile):
-            answer = await step.reconcile(step.key, step.args)
-        else:
-            submitted = lane().submit(step.reconcile, step.key, step.args)
-            answer = await asyncio.wrap_future(submitted)
-            if inspect.isawaitable(answer):
-                answer = await answer
-    except Exception as exc:  # noqa: BLE001
-        return Unknown(f"reconciler raised {type(exc).__name__}: {exc}")
-    return _verdict(answer)
-
-
-def _verdict(answer: Any) -> Verdict:
-    if answer is Absent:
-        return Absent()
-    if answer is Unknown:
-        return Unknown()
-    if isinstance(answer, Found | Absent | Unknown):
-        return answer
-    return Unknown(f"reconciler returned {answer!r}, not Found(result), Absent or Unknown")
-
 
 def _settled(outcome: Outcome[Any], status: Status) -> Record | None:
     """The record a failure was stored as, or None if a takeover got there first."""
@@ -1405,52 +455,3 @@ def _observe(task: asyncio.Future[Any]) -> None:
     # A commit outlives a cancelled caller; its failure is logged where it happens.
     if not task.cancelled() and task.exception() is not None:
         log.debug("ledger write finished after its caller left", exc_info=task.exception())
-
-
-def classify_failure(exc: BaseException) -> tuple[Status, str]:
-    if isinstance(exc, OutcomeUnknown):
-        return Status.UNCERTAIN, f"the tool reported an unknown outcome: {exc}"
-    if isinstance(exc, TimeoutError | asyncio.CancelledError) or _looks_like_timeout(exc):
-        return Status.UNCERTAIN, (
-            f"the body was interrupted ({type(exc).__name__}: {exc}); a timeout or "
-            "cancellation does not prove the effect did not happen"
-        )
-    if not isinstance(exc, Exception):
-        return Status.UNCERTAIN, f"the body was interrupted by {type(exc).__name__}"
-    return Status.FAILED, f"{type(exc).__name__}: {exc}"
-
-
-def _looks_like_timeout(exc: BaseException) -> bool:
-    # HTTP clients' timeouts (requests' ReadTimeout, httpx's TimeoutException, urllib3's
-    # ReadTimeoutError) do not subclass TimeoutError; a request that timed out may still
-    # have been carried out, so treat them as unknown rather than as a safe failure.
-    return any("timeout" in cls.__name__.lower() for cls in type(exc).__mro__)
-
-
-def _label(record: Record) -> str:
-    return record.owner.label if record.owner else "unknown owner"
-
-
-def _whoami() -> str:
-    try:
-        user = getpass.getuser()
-    except Exception:  # noqa: BLE001 - no passwd entry in some containers
-        user = "unknown"
-    return f"{user}@{_HOST}"
-
-
-def _this_process() -> str:
-    """Who wrote an automatic transition (a stale claim marked uncertain, a reconciliation)."""
-    return f"{_whoami()}:{os.getpid()}"
-
-
-def _check_durations(**values: float | None) -> None:
-    for name, value in values.items():
-        if value is None and name == "ttl":
-            continue
-        if not isinstance(value, int | float) or value < 0 or value != value:
-            raise ValueError(f"{name} must be a non-negative number of seconds, not {value!r}")
-    if (values.get("lease_s") or 0) <= 0:
-        raise ValueError("lease_s must be greater than 0")
-    if values.get("ttl") == 0:
-        raise ValueError("ttl must be more than 0 seconds, or None: receipts that never expire")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import enum
+import getpass
 import itertools
 import os
 import secrets
@@ -12,12 +12,9 @@ from typing import Any
 
 import pydantic_core
 
-
-class Status(enum.StrEnum):
-    PENDING = "PENDING"  # claimed; the body is running (or its owner died)
-    COMMITTED = "COMMITTED"  # done; `result` holds the receipt to replay
-    FAILED = "FAILED"  # the body raised before any effect; the next attempt may run
-    UNCERTAIN = "UNCERTAIN"  # the effect may or may not have happened; resolve first
+from ._errors import LedgerUnavailable
+from ._results import decode
+from ._status import Status
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +47,24 @@ def _reseed() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reseed)
+
+
+def _whoami() -> str:
+    """The user and host an operator action or an outcome is credited to."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        user = "unknown"
+    return f"{user}@{_HOST}"
+
+
+def _this_process() -> str:
+    """Who wrote an automatic transition (a stale claim marked uncertain, a reconciliation)."""
+    return f"{_whoami()}:{os.getpid()}"
+
+
+def _label(record: Record) -> str:
+    return record.owner.label if record.owner else "unknown owner"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +102,6 @@ class Record:
 
     def value(self) -> Any:
         """The stored result, decoded to what the body returned."""
-        from ._results import decode
-
         return decode(self.result)
 
     def lease_live(self, now: float) -> bool:
@@ -270,8 +283,6 @@ class Peek:
             try:
                 record = self._record = Record.from_doc(self._doc)
             except (ValueError, KeyError, TypeError, IndexError) as exc:
-                from ._errors import LedgerUnavailable
-
                 raise LedgerUnavailable(f"the ledger holds a corrupt record: {exc!r}") from exc
         return record
 

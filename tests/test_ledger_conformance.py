@@ -18,7 +18,9 @@ from crewai_idempotent import (
     Absent,
     CacheBackend,
     Found,
+    IdempotencyConfig,
     IdempotencyKeyConflict,
+    InMemoryCacheBackend,
     InvalidIdempotencyKey,
     Ledger,
     OperationInProgress,
@@ -32,6 +34,7 @@ from crewai_idempotent import (
     fingerprint,
 )
 from crewai_idempotent._record import Event
+from tests.clock import ClockedBackend, ManualClock
 from tests.conftest import ALL_BACKENDS
 
 # Every backend of conftest, plus SQLite in synchronous=CLAIMS (two connections per
@@ -76,6 +79,30 @@ def provider() -> Provider:
 @pytest.fixture
 def ledger(backend: CacheBackend) -> Ledger:
     return Ledger(backend, wait_s=2.0, lease_s=5.0)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def clocked(backend: CacheBackend, clock: ManualClock) -> ClockedBackend:
+    """The test's store on a clock the test moves: leases and TTLs lapse when it says."""
+    return ClockedBackend(backend, clock)
+
+
+@pytest.fixture
+def clocked_ledger(clocked: ClockedBackend, clock: ManualClock) -> Ledger:
+    return Ledger(clocked, wait_s=2.0, lease_s=5.0, clock=clock)
+
+
+def _until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for another thread to reach a point (a correctness bound, generous on purpose)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the other thread never got there"
+        time.sleep(0.002)
 
 
 def _stale_pending(backend: CacheBackend, key: str, fp: str = "", token: int = 1) -> Record:
@@ -188,13 +215,15 @@ def test_result_whose_str_raises_still_commits(ledger: Ledger) -> None:
 # -- pending -----------------------------------------------------------------------------------
 
 
-def test_live_pending_claim_is_never_run_twice(backend: CacheBackend, provider: Provider) -> None:
-    ledger = Ledger(backend)
-    _live_pending(backend, "busy")
-    started = time.monotonic()
+def test_live_pending_claim_is_never_run_twice(
+    clocked: CacheBackend, clock: ManualClock, provider: Provider
+) -> None:
+    ledger = Ledger(clocked, clock=clock)
+    _live_pending(clocked, "busy")
+    started = clock.monotonic()
     with pytest.raises(OperationInProgress, match="busy") as info:
-        ledger.run("busy", provider.body("busy"), wait_s=0.3)
-    assert time.monotonic() - started >= 0.3
+        ledger.run("busy", provider.body("busy"), wait_s=3.0)
+    assert clock.monotonic() - started >= 3.0  # it waited its wait_s, on the moved clock
     assert info.value.record.owner.host == "other-host"  # type: ignore[union-attr]
     assert provider.count("busy") == 0
 
@@ -217,7 +246,7 @@ def test_waiter_replays_once_the_owner_commits(ledger: Ledger, provider: Provide
         target=lambda: waiter_result.append(ledger.execute("slow", provider.body("slow")))
     )
     waiter.start()
-    time.sleep(0.2)
+    _until(lambda: len(ledger._rooms) == 1)  # the waiter waits on the owner's claim
     release.set()
     owner.join(5)
     waiter.join(5)
@@ -384,10 +413,17 @@ def test_backend_compare_and_set_refuses_a_stale_token_or_revision(backend: Cach
 
 class FrozenOwner:
     """A worker that claimed `key` and then, mid-body, stopped renewing its lease (as if
-    frozen) until `finish()`; the lease has lapsed when the constructor returns."""
+    frozen) until `finish()`; the lease has lapsed (on `clock`) when the constructor returns."""
 
-    def __init__(self, backend: CacheBackend, key: str, effects: list[str], effect: str) -> None:
-        ledger = Ledger(backend, lease_s=0.3)
+    def __init__(
+        self,
+        backend: CacheBackend,
+        clock: ManualClock,
+        key: str,
+        effects: list[str],
+        effect: str,
+    ) -> None:
+        ledger = Ledger(backend, lease_s=5.0)
         ledger._keeper._renew = lambda claim: None  # type: ignore[method-assign]
         self.inside, self.release = threading.Event(), threading.Event()
         self.returned: list[Any] = []
@@ -408,16 +444,19 @@ class FrozenOwner:
         self.thread = threading.Thread(target=run)
         self.thread.start()
         assert self.inside.wait(5)
-        time.sleep(0.4)  # past the lease: nobody renewed it
+        clock.advance(6.0)  # past the lease: nobody renewed it
 
     def finish(self) -> None:
         self.release.set()
         self.thread.join(5)
 
 
-def test_worker_whose_claim_was_taken_over_cannot_commit(backend: CacheBackend) -> None:
+def test_worker_whose_claim_was_taken_over_cannot_commit(
+    clocked: CacheBackend, clock: ManualClock
+) -> None:
+    backend = clocked
     effects: list[str] = []
-    owner = FrozenOwner(backend, "fenced", effects, "first")
+    owner = FrozenOwner(backend, clock, "fenced", effects, "first")
     second = Ledger(backend).run(
         "fenced", lambda: effects.append("second") or "second-receipt", on_stale="retry"
     )
@@ -439,10 +478,15 @@ def test_worker_whose_claim_was_taken_over_cannot_commit(backend: CacheBackend) 
 # -- TTL ---------------------------------------------------------------------------------------
 
 
-def test_committed_receipt_expires_after_its_ttl(ledger: Ledger, provider: Provider) -> None:
-    ledger.run("ttl", provider.body("ttl"), ttl=0.3)
+def test_committed_receipt_expires_after_its_ttl(
+    clocked_ledger: Ledger, clock: ManualClock, provider: Provider
+) -> None:
+    ledger = clocked_ledger
+    ledger.run("ttl", provider.body("ttl"), ttl=30)
     assert ledger.execute("ttl", provider.body("ttl")).replayed
-    time.sleep(0.4)
+    clock.advance(29)
+    assert ledger.execute("ttl", provider.body("ttl")).replayed
+    clock.advance(2)
     outcome = ledger.execute("ttl", provider.body("ttl"))
     assert outcome.replayed is False
     assert provider.count("ttl") == 2
@@ -452,11 +496,30 @@ def test_committed_receipt_expires_after_its_ttl(ledger: Ledger, provider: Provi
 
 
 def test_a_zero_ttl_is_refused(backend: CacheBackend) -> None:
-    with pytest.raises(ValueError, match="ttl must be more than 0"):
+    with pytest.raises(ValueError, match="ttl must be greater than 0"):
         Ledger(backend, ttl=0)
-    with pytest.raises(ValueError, match="ttl must be more than 0"):
+    with pytest.raises(ValueError, match="ttl must be greater than 0"):
         Ledger(backend).run("k", lambda: 1, ttl=0)
     assert backend.get("k") is None
+
+
+@pytest.mark.parametrize("name", ["wait_s", "lease_s", "ttl"])
+@pytest.mark.parametrize("bad", [True, False, float("nan"), -1, "5"], ids=repr)
+def test_the_ledger_and_the_configuration_refuse_the_same_durations(name: str, bad: Any) -> None:
+    """One rule for a duration wherever it is given: a bool is not a number of seconds."""
+    backend = InMemoryCacheBackend()
+    with pytest.raises((TypeError, ValueError)) as by_ledger:
+        Ledger(backend, **{name: bad})
+    with pytest.raises((TypeError, ValueError)) as by_call:
+        Ledger(backend).run("k", lambda: 1, **{name: bad})
+    with pytest.raises((TypeError, ValueError)) as by_config:
+        IdempotencyConfig(**{name: bad})
+    assert backend.get("k") is None
+    assert type(by_ledger.value) is type(by_call.value) is type(by_config.value)
+    assert str(by_ledger.value) == str(by_call.value) == str(by_config.value)
+    assert str(by_ledger.value).startswith(f"{name} must be")
+    if isinstance(bad, bool):
+        assert isinstance(by_ledger.value, TypeError)
 
 
 def test_no_ttl_means_the_receipt_never_expires(ledger: Ledger, provider: Provider) -> None:
@@ -465,12 +528,16 @@ def test_no_ttl_means_the_receipt_never_expires(ledger: Ledger, provider: Provid
     assert record is not None and record.expires_at is None
 
 
-def test_purge_removes_only_expired_receipts(ledger: Ledger, provider: Provider) -> None:
-    ledger.run("short", provider.body("short"), ttl=0.1)
+def test_purge_removes_only_expired_receipts(
+    clocked_ledger: Ledger, clock: ManualClock, provider: Provider
+) -> None:
+    ledger = clocked_ledger
+    ledger.run("short", provider.body("short"), ttl=10)
     ledger.run("long", provider.body("long"), ttl=3600)
     with pytest.raises(OutcomeUnknown):
-        ledger.run("unsure", lambda: (_ for _ in ()).throw(OutcomeUnknown("?")), ttl=0.1)
-    time.sleep(0.2)
+        ledger.run("unsure", lambda: (_ for _ in ()).throw(OutcomeUnknown("?")), ttl=10)
+    assert ledger.purge() == 0
+    clock.advance(11)
     assert ledger.purge() == 1
     assert ledger.get("short") is None
     assert ledger.get("long") is not None
@@ -492,13 +559,15 @@ def test_resolve_happened_commits_the_given_receipt(ledger: Ledger, provider: Pr
     assert "seen in dashboard" in last.note
 
 
-def test_resolved_receipt_expires_like_a_committed_one(backend: CacheBackend) -> None:
-    ledger = Ledger(backend, ttl=0.3)
+def test_resolved_receipt_expires_like_a_committed_one(
+    clocked: CacheBackend, clock: ManualClock
+) -> None:
+    ledger = Ledger(clocked, ttl=30, clock=clock)
     with pytest.raises(OutcomeUnknown):
         ledger.run("r-ttl", lambda: (_ for _ in ()).throw(OutcomeUnknown("timeout")))
     assert ledger.resolve("r-ttl", result="seen").expires_at is not None
     assert ledger.run("r-ttl", lambda: "new") == "seen"
-    time.sleep(0.4)
+    clock.advance(31)
     assert ledger.run("r-ttl", lambda: "new") == "new"
 
 
@@ -689,10 +758,13 @@ def test_closing_and_reopening_keeps_every_state(
     assert [r.key for r in again.records(Status.UNCERTAIN)] == ["u"]
 
 
-def test_owner_that_outlived_its_lease_settles_an_uncertain_record(backend: CacheBackend) -> None:
+def test_owner_that_outlived_its_lease_settles_an_uncertain_record(
+    clocked: CacheBackend, clock: ManualClock
+) -> None:
     """Nobody took the claim over, so only one execution happened: the owner's receipt wins."""
+    backend = clocked
     effects: list[str] = []
-    owner = FrozenOwner(backend, "late", effects, "charged")
+    owner = FrozenOwner(backend, clock, "late", effects, "charged")
     with pytest.raises(OutcomeUncertain):
         Ledger(backend).run("late", lambda: effects.append("again") or "x")
     owner.finish()

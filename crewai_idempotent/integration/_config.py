@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -28,6 +27,7 @@ from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._keys import fingerprint as _fingerprint
 from .._ledger import Ledger, StalePolicy
+from .._policy import check_seconds
 
 if TYPE_CHECKING:
     from .._reconcile import Verdict
@@ -47,13 +47,8 @@ _ON_STALE = get_args(StalePolicy)
 
 
 def _check_seconds(name: str, value: Any, *, positive: bool = False) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise TypeError(f"{name} must be a number of seconds, not {value!r}")
-    if value < 0 or (positive and value == 0):
-        bound = "greater than 0" if positive else "0 or more"
-        raise ValueError(f"{name} must be {bound} seconds, not {value!r}")
+    if value is not None:  # None: the ledger's own setting
+        check_seconds(name, value, positive=positive)
 
 
 def _check_key_spec(name: str, value: Any) -> None:

@@ -1,0 +1,554 @@
+"""The decisions: what a call does with what the store holds, written once for both drivers.
+
+Each decision is a generator that yields the blocking steps it needs (`_steps`) and
+receives their results, so the sync and the async driver share every rule. `_Machine` is
+the half of `Ledger` that decides; `Ledger` (`_ledger`) adds the public calls and the
+drivers that perform the steps.
+
+Before the body: replay a live receipt, wait for a live claim (one poller per key per
+process, in its `_Room`), claim an absent key, take over a failed or expired one, and
+for a lapsed lease apply `on_stale` (mark UNCERTAIN, reconcile, or take over). After
+the body: commit or record the failure, retrying a while if the store is down; if the
+claim was taken over meanwhile, settle by the fencing token (`_fenced`, `_late`). And an
+operator's `resolve`.
+
+One module although it is long: these are the transitions of one state machine, and
+each is only right next to the ones it races with (a takeover against a late commit, a
+reconciliation against a fenced owner). Split, a reader would lose that table.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ._backend import CacheBackend
+from ._errors import (
+    IdempotencyKeyConflict,
+    LedgerUnavailable,
+    OperationInProgress,
+    OutcomeUncertain,
+    ResolutionRefused,
+)
+from ._leases import _Claim
+from ._policy import Listener, _Options
+from ._reconcile import Absent, Found, Unknown
+from ._record import Event, Owner, Peek, Record, Status, _label, _this_process
+from ._results import decode, encode
+from ._rooms import _UNKNOWN, _Room, _Rooms
+from ._steps import _MISSING, Outcome, Step, _Ask, _Call, _Park, _Sleep
+
+log = logging.getLogger("crewai_idempotent")
+
+# How long a member waits for the one holding its room before looking again; the holder
+# wakes it sooner when it learns something or lets go.
+_HOLDER_PAUSE = 0.2
+
+
+class _Machine:
+    """The decisions of a `Ledger`, over the state the ledger gives them."""
+
+    backend: CacheBackend
+    ttl: float | None
+    commit_retry_s: float
+    _listeners: list[Listener]
+    _rooms: _Rooms
+    _monotonic: Callable[[], float]
+
+    def _acquire(self, key: str, o: _Options) -> Step[_Claim | Outcome[Any]]:
+        peeked: Peek | None = None
+        if self.backend.read_first:
+            # A replay is a read: no write lock, no claim record, no room, and only the
+            # result decoded. Anything else goes the full way below, which decides (and
+            # writes) with the whole record.
+            peeked = yield _Call(self.backend.peek, key)
+            if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now()):
+                if self._listeners:
+                    self._emit("replay", peeked.record())
+                return Outcome(decode(peeked.result), True, peeked)
+        rooms = self._rooms
+        # Nothing known of the key: the first caller in the room holds it from the start
+        # and claims (what _acquire_in would do, with half the trips through the lock).
+        room, holding = rooms.enter(key, hold=peeked is None)
+        me = object()
+        try:
+            if holding:
+                try:
+                    claim = yield from self._claim(room, o)
+                finally:
+                    rooms.release(room)
+                if claim is not None:
+                    return claim
+            elif peeked is not None:
+                rooms.publish(key, peeked.record(), read=True)  # spares a failing claim
+            return (yield from self._acquire_in(room, o, me))
+        finally:
+            rooms.leave(room, me)
+
+    def _acquire_in(self, room: _Room, o: _Options, me: object) -> Step[_Claim | Outcome[Any]]:
+        """Judge the latest news of the key; to learn more or to act, hold the room.
+
+        Only the member holding the room talks to the store; every write it makes and
+        every record it reads is published to the room, so the other members judge the
+        same record without asking the store themselves.
+        """
+        rooms, key = self._rooms, room.key
+        started = self._monotonic()
+        seen, held = rooms.news(room)
+        while True:
+            if held is _UNKNOWN:
+                if not rooms.hold(room, seen):
+                    yield _Park(room, seen, _HOLDER_PAUSE)
+                    seen, held = self._catch_up(room, seen, held)
+                    continue
+                try:
+                    if room.latest is _UNKNOWN or room.latest is None:
+                        claim = yield from self._claim(room, o)
+                        if claim is not None:
+                            return claim
+                    else:
+                        try:
+                            found = yield _Call(self.backend.get, key)
+                        except LedgerUnavailable as exc:
+                            rooms.publish_error(key, exc)
+                            raise
+                        rooms.publish(key, found, read=True)
+                finally:
+                    rooms.release(room)
+                seen, held = rooms.news(room)
+                continue
+
+            now = self.backend.now()
+            status = held.status if held is not None else None
+            if held is not None and status is not Status.PENDING and status is not Status.FAILED:
+                if status is Status.COMMITTED and not held.expired(now):
+                    self._check_fingerprint(held, o)
+                    self._emit("replay", held)
+                    return Outcome(held.value(), True, held)
+                if status is Status.UNCERTAIN:
+                    self._check_fingerprint(held, o)
+                    if o.reconcile is None or held.needs_operator:
+                        self._emit("uncertain", held)
+                        raise OutcomeUncertain(key, held, held.error or "the outcome is unknown")
+            if held is not None and status is Status.PENDING and held.lease_live(now):
+                self._check_fingerprint(held, o)
+                waited = self._monotonic() - started
+                if waited >= o.wait_s:
+                    self._emit("in_progress", held)
+                    raise OperationInProgress(key, held, waited)
+                lease_left = (held.lease_expires_at or now) - now
+                if rooms.hold(room, seen):
+                    # This member polls for everyone; news from this process (the
+                    # owner's commit) ends the pause early and spares the read.
+                    room.poller = me
+                    polled = False
+                    try:
+                        pause = min(room.delay, o.wait_s - waited, lease_left + 0.001)
+                        yield _Park(room, seen, pause)
+                        if rooms.news(room)[0] == seen:
+                            room.delay = min(room.delay * 2, 0.2)
+                            try:
+                                found = yield _Call(self.backend.get, key)
+                            except LedgerUnavailable as exc:
+                                rooms.publish_error(key, exc)
+                                raise
+                            rooms.publish(key, found, read=True)
+                        polled = True
+                    finally:
+                        rooms.release(room, wake=not polled)
+                    seen, held = rooms.news(room)
+                else:  # woken by news, or when the poller leaves
+                    yield _Park(room, seen, min(o.wait_s - waited, lease_left + 0.001))
+                    seen, held = self._catch_up(room, seen, held)
+                continue
+
+            # Every other state needs a write: one member at a time makes it.
+            if status is Status.PENDING:
+                self._check_fingerprint(held, o)
+            if not rooms.hold(room, seen):
+                yield _Park(room, seen, _HOLDER_PAUSE)
+                seen, held = self._catch_up(room, seen, held)
+                continue
+            try:
+                answer = yield from self._act(room, held, o, now)
+                if answer is not None:
+                    return answer
+                if rooms.news(room)[0] == seen:  # lost a race and learnt nothing: look
+                    found = yield _Call(self.backend.get, key)
+                    rooms.publish(key, found, read=True)
+            except LedgerUnavailable as exc:
+                rooms.publish_error(key, exc)
+                raise
+            finally:
+                rooms.release(room)
+            seen, held = rooms.news(room)
+
+    def _catch_up(self, room: _Room, seen: int, held: Any) -> tuple[int, Any]:
+        """After a pause: the room's news if there is any, else what this member knew."""
+        generation, latest = self._rooms.news(room)
+        if generation == seen:
+            return seen, held
+        error = room.error
+        if error is not None and latest is _UNKNOWN:
+            raise LedgerUnavailable(error.message) from error
+        return generation, latest
+
+    def _claim(self, room: _Room, o: _Options) -> Step[_Claim | None]:
+        """Insert the claim; None (with the holder published) if the key is taken."""
+        now = self.backend.now()
+        owner = Owner.current()
+        label = owner.label
+        record = Record(
+            room.key, Status.PENDING, o.fingerprint, 1, 1, owner, 1, now, now, now + o.lease_s,
+            None, None, None, False, (), (Event(now, "claim", 1, label),),
+        )  # fmt: skip
+        try:
+            holder = yield _Call(self.backend.insert, record, claims=record)
+        except LedgerUnavailable as exc:
+            self._rooms.publish_error(room.key, exc)
+            yield from self._release_unanswered(record)
+            raise
+        if holder is None:
+            self._rooms.publish(room.key, record)
+            self._emit("claim", record)
+            return _Claim(record, o, label)
+        self._rooms.publish(room.key, holder, read=True)
+        return None
+
+    def _act(
+        self, room: _Room, held: Record | None, o: _Options, now: float
+    ) -> Step[_Claim | Outcome[Any] | None]:
+        """The write a record calls for; None if another writer got there first."""
+        if held is None:
+            return (yield from self._claim(room, o))
+        status = held.status
+        if status is Status.COMMITTED:  # expired
+            return (yield from self._take_over(held, o, "expire", "TTL passed; new operation"))
+        if status is Status.FAILED:
+            return (yield from self._take_over(held, o, "takeover", "previous attempt failed"))
+        if status is Status.UNCERTAIN:  # with a reconciler
+            return (yield from self._reconcile(held, o, "uncertain"))
+        # PENDING whose owner stopped renewing the lease
+        lapse = f"lease expired {now - (held.lease_expires_at or now):.1f} s ago"
+        if o.on_stale == "retry":
+            return (yield from self._take_over(held, o, "takeover", f"{lapse}; on_stale=retry"))
+        if o.on_stale == "reconcile":
+            return (yield from self._reconcile(held, o, lapse))
+        yield from self._mark_uncertain(
+            held,
+            f"its owner {_label(held)} stopped renewing its lease ({lapse}) "
+            "before committing: the effect may or may not have happened",
+        )
+        return None
+
+    def _release_unanswered(self, record: Record) -> Step[None]:
+        """The store failed to answer a claim that may nonetheless have landed. The body
+        never started, so if the claim is there it is released as FAILED rather than left
+        to lapse into an uncertain record."""
+        try:
+            held = yield _Call(self.backend.get, record.key)
+            if held is None or held.owner != record.owner or held.token != record.token:
+                return
+            now = self.backend.now()
+            note = "the store did not answer the claim; the body never started"
+            released = held.evolve(
+                Event(now, "fail", held.token, _label(held), note),
+                status=Status.FAILED, error=note, updated_at=now, lease_expires_at=None,
+            )  # fmt: skip
+            if (yield _Call(self.backend.replace, held, released)):
+                self._rooms.publish(released.key, released)
+        except LedgerUnavailable:
+            pass  # still unreachable: a claim that landed lapses and is treated as stale
+
+    def _check_fingerprint(self, held: Record, o: _Options) -> None:
+        if held.fingerprint != o.fingerprint:
+            self._emit("conflict", held)
+            raise IdempotencyKeyConflict(held.key, held.fingerprint, o.fingerprint)
+
+    def _take_over(self, held: Record, o: _Options, kind: str, note: str) -> Step[_Claim | None]:
+        now = self.backend.now()
+        owner = Owner.current()
+        token = held.token + 1
+        new = held.evolve(
+            Event(now, kind, token, owner.label, note),
+            status=Status.PENDING,
+            fingerprint=o.fingerprint,
+            token=token,
+            owner=owner,
+            attempts=1 if kind == "expire" else held.attempts + 1,
+            updated_at=now,
+            lease_expires_at=now + o.lease_s,
+            expires_at=None,
+            result=None,
+            error=None,
+        )
+        if (yield _Call(self.backend.replace, held, new, claims=new)):
+            self._rooms.publish(new.key, new)
+            self._emit("claim", new)
+            return _Claim(new, o)
+        return None
+
+    def _mark_uncertain(self, held: Record, reason: str) -> Step[None]:
+        now = self.backend.now()
+        new = held.evolve(
+            Event(now, "uncertain", held.token, _this_process(), reason),
+            status=Status.UNCERTAIN,
+            updated_at=now,
+            lease_expires_at=None,
+            error=reason,
+        )
+        if (yield _Call(self.backend.replace, held, new)):
+            self._rooms.publish(new.key, new)
+            self._emit("uncertain", new)
+            raise OutcomeUncertain(held.key, new, reason)
+
+    def _reconcile(self, held: Record, o: _Options, why: str) -> Step[Outcome[Any] | _Claim | None]:
+        assert o.reconcile is not None
+        verdict = yield _Ask(o.reconcile, held.key, o.args)
+        now = self.backend.now()
+        if isinstance(verdict, Found):
+            new = held.evolve(
+                Event(now, "reconcile", held.token, _this_process(), f"{why}; reconciler found it"),
+                status=Status.COMMITTED,
+                updated_at=now,
+                lease_expires_at=None,
+                expires_at=now + o.ttl if o.ttl else None,
+                result=encode(verdict.result),
+                error=None,
+            )
+            if (yield _Call(self.backend.replace, held, new)):
+                self._rooms.publish(new.key, new)
+                self._emit("reconciled", new)
+                return Outcome(verdict.result, True, new)
+            return None
+        if isinstance(verdict, Absent):
+            return (yield from self._take_over(held, o, "takeover", f"{why}; reconciler: absent"))
+        assert isinstance(verdict, Unknown)
+        yield from self._mark_uncertain(held, f"{why}; {verdict.reason}")
+        return None
+
+    def _finish(
+        self, claim: _Claim, status: Status, *, value: Any = _MISSING, reason: str | None = None
+    ) -> Step[Outcome[Any]]:
+        if claim.pid != os.getpid():
+            # A child forked while the body ran: the claim is its parent's to settle.
+            raise LedgerUnavailable(
+                f"the claim on {claim.record.key!r} belongs to process {claim.pid}, which "
+                f"forked this one ({os.getpid()}); only its owner records its outcome"
+            )
+        with claim.lock:  # no renewal may write after this point
+            claim.done = True
+            current = claim.record
+        now = self.backend.now()
+        owner = claim.by
+        if status is Status.COMMITTED:
+            payload = encode(value)
+            kind = "commit"
+            new = current.settled(
+                Event(now, kind, current.token, owner, ""),
+                status,
+                now,
+                result=payload,
+                expires_at=now + claim.ttl if claim.ttl else None,
+            )
+        else:
+            payload = None
+            kind = "fail" if status is Status.FAILED else "uncertain"
+            new = current.settled(
+                Event(now, kind, current.token, owner, reason or ""),
+                status,
+                now,
+                error=reason,
+                expires_at=current.expires_at,
+            )
+        deadline = self._monotonic() + self.commit_retry_s
+        delay = 0.05
+        while True:
+            try:
+                stored = yield _Call(self.backend.replace, current, new)
+                break
+            except LedgerUnavailable:
+                # Keep trying for a while; past that the record stays PENDING, its lease
+                # lapses, and the next attempt treats it as uncertain (never a blind re-run).
+                if self._monotonic() + delay > deadline:
+                    raise
+                log.warning(
+                    "ledger unavailable while recording %s for %r; retrying", kind, current.key
+                )
+                yield _Sleep(delay)
+                delay = min(delay * 2, 1.0)
+        if stored:
+            self._rooms.publish(new.key, new)
+            self._emit(kind, new)
+            return Outcome(value, False, new)
+        if status is Status.FAILED:
+            log.warning("claim on %r was taken over while its body failed", current.key)
+            return Outcome(None, False, current)
+        try:
+            settled = yield from self._fenced(current, kind, payload, reason)
+        except LedgerUnavailable as exc:
+            raise OutcomeUncertain(
+                current.key, None, f"the claim was taken over and the ledger is unavailable: {exc}"
+            ) from exc
+        return Outcome(value, False, settled)
+
+    def _fenced(self, mine: Record, kind: str, payload: Any, reason: str | None) -> Step[Record]:
+        """Our commit was refused: someone else wrote the record while our body ran.
+
+        If the token is still ours, nobody took the claim over: a reconciler or an operator
+        committed it from this very execution while we were slow. One execution happened;
+        the record stays COMMITTED (a differing receipt of ours is kept as evidence) and the
+        settled record is returned. Otherwise two executions may have happened: the record
+        becomes UNCERTAIN with needs_operator, and OutcomeUncertain is raised.
+        """
+        note = (
+            f"worker {_label(mine)} (token {mine.token}) finished ({kind}) after its claim was "
+            "taken over: two executions may have happened"
+        )
+        evidence = {
+            "token": mine.token,
+            "owner": _label(mine),
+            "outcome": kind,
+            "result": payload,
+            "error": reason,
+            "at": self.backend.now(),
+        }
+        while True:
+            held = yield _Call(self.backend.get, mine.key)
+            now = self.backend.now()
+            if held is not None and held.token == mine.token and not held.needs_operator:
+                settled = yield from self._late(held, mine, kind, payload, reason, evidence, now)
+                if settled is not None:
+                    return settled
+                continue
+            if held is None:
+                new = mine.evolve(
+                    Event(now, "fenced", mine.token, _label(mine), note),
+                    status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
+                    error=note, needs_operator=True, evidence=(*mine.evidence, evidence),
+                )  # fmt: skip
+                if (yield _Call(self.backend.insert, new)) is None:
+                    self._rooms.publish(new.key, new)
+                    break
+                continue
+            new = held.evolve(
+                Event(now, "fenced", held.token, _label(mine), note),
+                status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
+                error=note, needs_operator=True, evidence=(*held.evidence, evidence),
+            )  # fmt: skip
+            if (yield _Call(self.backend.replace, held, new)):
+                self._rooms.publish(new.key, new)
+                break
+        self._emit("uncertain", new)
+        raise OutcomeUncertain(mine.key, new, note)
+
+    def _late(
+        self,
+        held: Record,
+        mine: Record,
+        kind: str,
+        payload: Any,
+        reason: str | None,
+        evidence: dict[str, Any],
+        now: float,
+    ) -> Step[Record | None]:
+        """The token is still ours: one execution happened, and this owner knows its outcome.
+
+        Someone settled the record while this execution was slow (a reconciler found it, an
+        operator resolved it, a retry marked the lapsed claim uncertain). What the owner
+        saw is the best evidence there is, so it wins unless it disagrees with a receipt.
+        """
+        if held.status is Status.COMMITTED:
+            if kind != "commit" or held.result == payload:
+                return held
+            late = "late commit of the same execution with a different receipt (evidence)"
+            new = held.evolve(
+                Event(now, "late", held.token, _label(mine), late),
+                evidence=(*held.evidence, evidence),
+            )
+        elif kind == "commit":
+            note = f"late commit: the owner finished after the record became {held.status}"
+            new = held.evolve(
+                Event(now, "commit", held.token, _label(mine), note),
+                status=Status.COMMITTED, result=payload, error=None, updated_at=now,
+                lease_expires_at=None, evidence=(*held.evidence, evidence),
+            )  # fmt: skip
+        elif held.status is Status.UNCERTAIN:
+            return held
+        else:
+            new = held.evolve(
+                Event(now, "uncertain", held.token, _label(mine), reason or ""),
+                status=Status.UNCERTAIN, error=reason, updated_at=now, lease_expires_at=None,
+            )  # fmt: skip
+        if (yield _Call(self.backend.replace, held, new)):
+            self._rooms.publish(new.key, new)
+            self._emit("commit" if new.status is Status.COMMITTED else "uncertain", new)
+            return new
+        return None
+
+    def _resolve(self, key: str, result: Any, absent: bool, by: str, reason: str) -> Step[Record]:
+        while True:
+            held = yield _Call(self.backend.get, key)
+            if held is None:
+                raise ResolutionRefused(f"no record for idempotency key {key!r}")
+            now = self.backend.now()
+            stale = held.status is Status.PENDING and not held.lease_live(now)
+            if held.status is not Status.UNCERTAIN and not stale:
+                raise ResolutionRefused(
+                    f"idempotency key {key!r} is {held.status}"
+                    + (" with a live lease" if held.status is Status.PENDING else "")
+                    + "; only UNCERTAIN records, or PENDING ones whose lease expired, are resolved"
+                )
+            verdict = "absent" if absent else "happened"
+            event = Event(now, "resolve", held.token, by, f"{verdict}: {reason}".rstrip(": "))
+            if absent:
+                new = held.evolve(
+                    event, status=Status.FAILED, updated_at=now, lease_expires_at=None,
+                    error=f"resolved absent by {by}: {reason}", needs_operator=False,
+                )  # fmt: skip
+            else:
+                new = held.evolve(
+                    event, status=Status.COMMITTED, updated_at=now, lease_expires_at=None,
+                    result=encode(result), error=None, needs_operator=False,
+                    expires_at=now + self.ttl if self.ttl else None,  # as a commit would
+                )  # fmt: skip
+            if (yield _Call(self.backend.replace, held, new)):
+                self._rooms.publish(new.key, new)
+                self._emit("resolve", new)
+                return new
+
+    def _read(self, key: str) -> Step[Record | None]:
+        return (yield _Call(self.backend.get, key))
+
+    def _scan(self, status: Status | None) -> Step[Any]:
+        return (yield _Call(lambda: list(self.backend.scan(status))))
+
+    def _delete(self, record: Record) -> Step[bool]:
+        deleted = yield _Call(self.backend.delete, record)
+        if deleted:
+            self._rooms.publish(record.key, None)
+        return bool(deleted)
+
+    def _release_unstarted(self, claim: Record) -> Step[None]:
+        # The body never started, so nothing can have happened: FAILED lets the next
+        # attempt run (a CancelledError from inside a body would make it UNCERTAIN).
+        note = "cancelled before the body started"
+        now = self.backend.now()
+        released = claim.evolve(
+            Event(now, "fail", claim.token, _label(claim), note),
+            status=Status.FAILED, error=note, updated_at=now, lease_expires_at=None,
+        )  # fmt: skip
+        if (yield _Call(self.backend.replace, claim, released)):
+            self._rooms.publish(claim.key, released)
+            self._emit("fail", released)
+
+    def _emit(self, kind: str, record: Record) -> None:
+        if not self._listeners:
+            return
+        for listener in self._listeners:
+            try:
+                listener(kind, record)
+            except Exception:
+                log.exception("idempotency listener %r failed on %s", listener, kind)

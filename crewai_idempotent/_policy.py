@@ -1,0 +1,64 @@
+"""What a guarded call may ask for, and the rules it must obey.
+
+The stale policies, the durations and the one rule every duration obeys (the ledger and the
+crewAI configuration both check with `check_seconds`), the clock that waits are measured
+on, and `_Options`: one call's settings, resolved from the ledger's defaults.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
+
+if TYPE_CHECKING:
+    from ._record import Record
+
+StalePolicy = Literal["uncertain", "reconcile", "retry"]
+STALE_POLICIES: tuple[str, ...] = get_args(StalePolicy)
+Reconciler = Callable[[str, Any], Any]
+Listener = Callable[[str, "Record"], None]
+
+
+class Clock(Protocol):
+    """What the guard's waits are measured on: `wait_s` for a live claim, the pauses
+    between polls and between commit retries. `time.monotonic`/`time.sleep` by default;
+    a test gives a clock it moves, so a wait times out at once. The lease keeper and the
+    store's clock (`CacheBackend.now`) do not use it."""
+
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+def check_seconds(name: str, value: object, *, positive: bool = False) -> None:
+    """A duration: a real number of seconds (not a bool, not NaN), 0 or more, or more than 0
+    when `positive`. TypeError for what is not a number, ValueError for a number out of range."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, not {value!r}")
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a number of seconds, not {value!r}")
+    if value < 0 or (positive and value == 0):
+        bound = "greater than 0" if positive else "0 or more"
+        raise ValueError(f"{name} must be {bound} seconds, not {value!r}")
+
+
+def check_durations(wait_s: object, lease_s: object, ttl: object) -> None:
+    """The guard's three durations. `ttl=None`: receipts that never expire; a `ttl` of 0
+    would make every call run again, never replay."""
+    check_seconds("wait_s", wait_s)
+    check_seconds("lease_s", lease_s, positive=True)
+    if ttl is not None:
+        check_seconds("ttl", ttl, positive=True)
+
+
+@dataclass(slots=True)  # not frozen: built on every call, and frozen fields cost a call each
+class _Options:
+    fingerprint: str
+    args: Any
+    wait_s: float
+    lease_s: float
+    ttl: float | None
+    reconcile: Reconciler | None
+    on_stale: StalePolicy

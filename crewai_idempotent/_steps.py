@@ -1,0 +1,93 @@
+"""What the decisions yield and what a guarded call returns.
+
+The decisions (`_machine`) are generators that yield the blocking steps they need and
+receive their results: `_Call` a backend, `_Sleep`, `_Park` until news of a key, `_Ask`
+a reconciler. The drivers (`Ledger._drive` in the calling thread, `Ledger._adrive` on an
+event loop) perform them; a decision never blocks by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+from ._policy import Reconciler
+from ._record import Peek, Record
+from ._rooms import _Room
+
+T = TypeVar("T")
+
+_MISSING: Any = object()
+
+
+class Outcome(Generic[T]):
+    """What `Ledger.execute` returns: the value, whether it was replayed, and the record.
+
+    A replay from the fast path holds a `Peek` and builds `record` on first access, so a
+    caller that wants only the value never pays for decoding the history.
+    """
+
+    __slots__ = ("_record", "replayed", "value")
+
+    def __init__(self, value: T, replayed: bool, record: Record | Peek) -> None:
+        self.value = value
+        self.replayed = replayed
+        self._record = record
+
+    @property
+    def record(self) -> Record:
+        record = self._record
+        if type(record) is Peek:
+            record = self._record = record.record()
+        assert isinstance(record, Record)
+        return record
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Outcome):
+            return NotImplemented
+        mine, theirs = (
+            (self.value, self.replayed, self.record),
+            (other.value, other.replayed, other.record),
+        )
+        return mine == theirs
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Outcome(value={self.value!r}, replayed={self.replayed!r}, record={self.record!r})"
+
+
+class _Call:
+    """A backend call. `claims` is the PENDING record the call stores if it succeeds: if
+    an async caller is cancelled while it is in flight, a claim that landed is released."""
+
+    __slots__ = ("args", "claims", "fn")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, claims: Record | None = None) -> None:
+        self.fn, self.args, self.claims = fn, args, claims
+
+
+class _Sleep:
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+class _Park:
+    """Wait until the room has news after generation `seen`, or `seconds` pass."""
+
+    __slots__ = ("room", "seconds", "seen")
+
+    def __init__(self, room: _Room, seen: int, seconds: float) -> None:
+        self.room, self.seen, self.seconds = room, seen, seconds
+
+
+class _Ask:
+    __slots__ = ("args", "key", "reconcile")
+
+    def __init__(self, reconcile: Reconciler, key: str, args: Any) -> None:
+        self.reconcile, self.key, self.args = reconcile, key, args
+
+
+Step = Generator[_Call | _Sleep | _Park | _Ask, Any, T]
