@@ -1,7 +1,11 @@
-"""A fake provider whose every effect is one fsynced line in an append-only file.
+"""The fake provider every test counts effects at: one fsynced JSON line per effect in an
+append-only file.
 
 It lives outside the ledger on purpose: the ledger can be wrong about what happened, the
-provider cannot. Tests count effects here, never in log lines.
+provider cannot. The file outlives the process that made the effect, so tests count
+effects across retries, subprocesses and SIGKILL, and never in log lines.
+(tests/crewai_support/provider.py's FakeProvider is the same file seen by crew tools:
+charges by amount and recipient, and mails.)
 """
 
 from __future__ import annotations
@@ -16,16 +20,18 @@ from typing import Any
 
 
 class Provider:
-    """Charges recorded one JSON line each: {"key", "receipt", "pid", "at"}."""
+    """Effects recorded one JSON line each: {"kind", "receipt", "pid", "at", ...fields};
+    a charge for a guarded key has "key"."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str]) -> Provider:
+    def create(cls, path: str | os.PathLike[str], *, exist_ok: bool = False) -> Provider:
         """Create the (empty) effect file, durably, before any worker may charge."""
         path = Path(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | (0 if exist_ok else os.O_EXCL)
+        fd = os.open(path, flags, 0o600)
         try:
             os.fsync(fd)
         finally:
@@ -37,10 +43,11 @@ class Provider:
             os.close(folder)
         return cls(path)
 
-    def charge(self, key: str) -> str:
-        """Perform the effect for `key` and return its receipt (what a real API returns)."""
-        receipt = f"ch_{secrets.token_hex(8)}"
-        line = json.dumps({"key": key, "receipt": receipt, "pid": os.getpid(), "at": time.time()})
+    def record(self, kind: str, **fields: Any) -> str:
+        """Perform one effect of `kind` and return its receipt (what a real API returns)."""
+        receipt = f"{kind[:2]}_{secrets.token_hex(8)}"
+        effect = {"kind": kind, "receipt": receipt, "pid": os.getpid(), "at": time.time()}
+        line = json.dumps({**effect, **fields})
         # No O_CREAT: a missing file means a broken test setup, not a provider to invent.
         # One write() of a short line with O_APPEND lands whole or not at all.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
@@ -51,15 +58,21 @@ class Provider:
             os.close(fd)
         return receipt
 
-    def effects(self, key: str | None = None) -> list[dict[str, Any]]:
-        """Every effect recorded (for `key`, if given), in the order they happened."""
+    def charge(self, key: str, **fields: Any) -> str:
+        """Charge for the guarded `key`; the receipt."""
+        return self.record("charge", key=key, **fields)
+
+    def effects(self, key: str | None = None, *, kind: str | None = None) -> list[dict[str, Any]]:
+        """Every effect recorded (for `key`, of `kind`, if given), in the order they happened."""
         found = []
         for number, line in enumerate(self.path.read_text("utf-8").splitlines(), 1):
             try:
                 effect = json.loads(line)
             except ValueError as exc:
                 raise AssertionError(f"{self.path}:{number}: torn effect line {line!r}") from exc
-            if key is None or effect["key"] == key:
+            if (key is None or effect.get("key") == key) and (
+                kind is None or effect.get("kind") == kind
+            ):
                 found.append(effect)
         return found
 
@@ -68,4 +81,6 @@ class Provider:
 
     def counts(self) -> dict[str, int]:
         """How many charges each key has."""
-        return dict(collections.Counter(effect["key"] for effect in self.effects()))
+        return dict(
+            collections.Counter(effect["key"] for effect in self.effects() if "key" in effect)
+        )
