@@ -2,7 +2,8 @@
 
 Real processes: an owner process claims a key, forks (from another thread, or from inside
 the body itself), the child makes a claim of its own, and the owner is SIGKILLed. Its
-claim must go stale within two lease periods although the child lives on, while the
+claim must go stale within a lease (bounded here with a loaded machine's slack: a child
+that renewed it would keep it live for ever) although the child lives on, while the
 child's own claim stays live; a healthy owner keeps its lease however many children it
 forks, and a retrying worker never runs its body a second time.
 """
@@ -139,7 +140,7 @@ def _stale_after_kill(ledger: Ledger, owner: Owner, key: str) -> float:
     killed = time.monotonic()
     owner.proc.send_signal(signal.SIGKILL)
     owner.proc.wait(10)
-    while time.monotonic() - killed < 5 * LEASE_S:
+    while time.monotonic() - killed < 10 * LEASE_S:
         record = ledger.get(key)
         assert record is not None
         if ledger.is_stale(record):
@@ -162,7 +163,7 @@ def test_a_dead_parents_claim_goes_stale_while_its_child_lives(
     try:
         took = _stale_after_kill(ledger, owner, "parent")
         assert alive(child["pid"])
-        assert took <= 2 * LEASE_S, f"stale only after {took:.2f} s"
+        assert took <= 4 * LEASE_S, f"stale only after {took:.2f} s"
         record = ledger.get("child")
         assert record is not None and record.lease_live(ledger.backend.now())
         time.sleep(LEASE_S)  # and still live a lease later: the child renews it
@@ -186,7 +187,7 @@ def test_a_child_forked_inside_the_body_cannot_settle_the_claim(
         assert [event.kind for event in record.history] == ["claim"]
         assert record.owner is not None and record.owner.pid == owner.proc.pid
         took = _stale_after_kill(ledger, owner, "parent")
-        assert took <= 2 * LEASE_S, f"stale only after {took:.2f} s"
+        assert took <= 4 * LEASE_S, f"stale only after {took:.2f} s"
         record = ledger.get("parent")
         assert record is not None and [event.kind for event in record.history] == ["claim"]
     finally:

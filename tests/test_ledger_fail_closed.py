@@ -23,6 +23,7 @@ from crewai_idempotent import (
     backend_from_url,
 )
 
+from .clock import ClockedBackend, ManualClock
 from .unprivileged import NOBODY, in_child, reachable
 
 
@@ -229,7 +230,9 @@ def test_commit_that_cannot_be_stored_returns_the_receipt_and_never_reruns(
             return super().replace(current, new)
 
     backend = FailsAfterClaim()
-    ledger = Ledger(backend, lease_s=0.2, commit_retry_s=0.1)
+    clock = ManualClock()
+    # The commit retries for commit_retry_s and the lease lapses, both on the moved clock.
+    ledger = Ledger(ClockedBackend(backend, clock), lease_s=5.0, commit_retry_s=1.0, clock=clock)
 
     def charge() -> str:
         backend.broken = True
@@ -239,9 +242,7 @@ def test_commit_that_cannot_be_stored_returns_the_receipt_and_never_reruns(
     backend.broken = False
     record = backend.get("k")
     assert record is not None and record.status is Status.PENDING
-    import time
-
-    time.sleep(0.3)
+    clock.advance(6.0)
     with pytest.raises(Exception, match="uncertain"):
         ledger.run("k", counter.body("k"))
     assert counter.lines() == ["k"]

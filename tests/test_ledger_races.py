@@ -7,8 +7,10 @@ never in log lines.
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import random
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,23 +35,41 @@ def _append(path: Path, line: str) -> None:
         os.close(fd)
 
 
-def _worker(url: str, keys: list[str], effects: Path, results: Path, start_fd: int) -> None:
+def _worker(
+    url: str,
+    plan: list[list[str]],
+    barrier: threading.Barrier,
+    folder: Path,
+    start_fd: int,
+) -> None:
+    """Run round after round: `plan[r]` is this process's keys in round `r`. Every round
+    starts in all the processes at once (the barrier), so each is a fresh race."""
     ledger = Ledger(backend_from_url(url), wait_s=30.0)
-    os.read(start_fd, 1)  # blocks until the parent closes the pipe: everyone starts at once
-    for key in keys:
+    os.read(start_fd, 1)  # blocks until the parent closes the pipe: everyone is forked
+    try:
+        for round_, keys in enumerate(plan):
+            effects, results = folder / f"effects-{round_}", folder / f"results-{round_}"
+            barrier.wait(timeout=120)
+            for key in keys:
 
-        def charge(key: str = key) -> str:
-            _append(effects, key)
-            time.sleep(random.uniform(0, 0.003))
-            return f"receipt:{key}:{os.getpid()}"
+                def charge(key: str = key, effects: Path = effects) -> str:
+                    _append(effects, key)
+                    time.sleep(random.uniform(0, 0.003))
+                    return f"receipt:{key}:{os.getpid()}"
 
-        _append(results, f"{key} {ledger.run(key, charge)}")
+                _append(results, f"{key} {ledger.run(key, charge)}")
+    except BaseException:
+        barrier.abort()  # the others stop at the next round instead of waiting it out
+        raise
     ledger.close()
 
 
-def _race(url: str, plan: list[list[str]], effects: Path, results: Path) -> None:
-    """Fork one process per entry of `plan`, release them together, wait for all."""
-    codes = fork_together(functools.partial(_worker, url, keys, effects, results) for keys in plan)
+def _race(url: str, plans: list[list[list[str]]], folder: Path) -> None:
+    """Fork one process per entry of `plans` (its keys round by round), run every round
+    in all of them together, wait for all. The processes are forked once, not once per
+    round: a fork of the test process costs more than a round."""
+    barrier = multiprocessing.get_context("fork").Barrier(len(plans))
+    codes = fork_together(functools.partial(_worker, url, plan, barrier, folder) for plan in plans)
     failures = [code for code in codes if code != 0]
     assert not failures, f"{len(failures)} worker(s) failed; see stderr"
 
@@ -58,7 +78,7 @@ def _check(effects: Path, results: Path, keys: list[str], callers_per_key: int) 
     ran = Counter(effects.read_text().split())
     assert {key: ran[key] for key in keys} == dict.fromkeys(keys, 1)
     returned: dict[str, set[str]] = {}
-    calls = Counter()
+    calls: Counter[str] = Counter()
     for line in results.read_text().splitlines():
         key, value = line.split(" ", 1)
         returned.setdefault(key, set()).add(value)
@@ -74,19 +94,20 @@ def backend_kind(request: pytest.FixtureRequest) -> str:
 
 @pytest.mark.slow
 def test_processes_racing_on_one_key_run_it_once(backend_url: str, tmp_path: Path) -> None:
-    for round_ in range(ROUNDS):
+    keys = [f"one-key-{round_}" for round_ in range(ROUNDS)]
+    _race(backend_url, [[[key] for key in keys]] * PROCESSES, tmp_path)
+    for round_, key in enumerate(keys):
         effects, results = tmp_path / f"effects-{round_}", tmp_path / f"results-{round_}"
-        key = f"one-key-{round_}"
-        _race(backend_url, [[key]] * PROCESSES, effects, results)
         _check(effects, results, [key], PROCESSES)
 
 
 @pytest.mark.slow
 def test_processes_racing_on_distinct_keys_run_each_once(backend_url: str, tmp_path: Path) -> None:
     rng = random.Random(7)
-    for round_ in range(ROUNDS):
+    rounds = [[f"round-{round_}-key-{i}" for i in range(PROCESSES)] for round_ in range(ROUNDS)]
+    # Each process takes each round's keys in its own order.
+    plans = [[rng.sample(keys, len(keys)) for keys in rounds] for _ in range(PROCESSES)]
+    _race(backend_url, plans, tmp_path)
+    for round_, keys in enumerate(rounds):
         effects, results = tmp_path / f"effects-{round_}", tmp_path / f"results-{round_}"
-        keys = [f"round-{round_}-key-{i}" for i in range(PROCESSES)]
-        plan = [rng.sample(keys, len(keys)) for _ in range(PROCESSES)]
-        _race(backend_url, plan, effects, results)
         _check(effects, results, keys, PROCESSES)
