@@ -228,6 +228,60 @@ def test_live_pending_claim_is_never_run_twice(
     assert provider.count("busy") == 0
 
 
+def test_async_wait_on_a_live_claim_ends_after_wait_s(
+    clocked: CacheBackend, clock: ManualClock, provider: Provider
+) -> None:
+    ledger = Ledger(clocked, clock=clock)
+    _live_pending(clocked, "abusy")
+
+    async def body() -> str:
+        return str(provider.body("abusy")())
+
+    started = clock.monotonic()
+    with pytest.raises(OperationInProgress, match="abusy"):
+        asyncio.run(ledger.arun("abusy", body, wait_s=3.0))
+    assert clock.monotonic() - started >= 3.0
+    assert provider.count("abusy") == 0
+
+
+class _Outage(ClockedBackend):
+    """The store refuses the next `failures` writes after the claim (a short outage)."""
+
+    failures = 0
+
+    def replace(self, current: Record, new: Record) -> bool:
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionResetError("store restarting")
+        return super().replace(current, new)
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_commit_is_retried_through_a_short_outage(
+    backend: CacheBackend, clock: ManualClock, provider: Provider, driver: str
+) -> None:
+    store = _Outage(backend, clock)
+    ledger = Ledger(store, commit_retry_s=30.0, clock=clock)
+
+    def body() -> str:
+        store.failures = 4
+        return str(provider.body("outage")())
+
+    async def abody() -> str:
+        return body()
+
+    started = clock.monotonic()
+    if driver == "sync":
+        value = ledger.run("outage", body)
+    else:
+        value = asyncio.run(ledger.arun("outage", abody))
+    assert clock.monotonic() - started >= 0.05 + 0.1 + 0.2 + 0.4  # it paused between tries
+    record = ledger.get("outage")
+    assert record is not None and record.status is Status.COMMITTED
+    assert record.value() == value and provider.count("outage") == 1
+    assert ledger.run("outage", body) == value
+
+
 def test_waiter_replays_once_the_owner_commits(ledger: Ledger, provider: Provider) -> None:
     release = threading.Event()
     claimed = threading.Event()
