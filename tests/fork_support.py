@@ -270,9 +270,13 @@ def owner_killed(args: argparse.Namespace) -> dict[str, Any]:
     report = args.dir / "child.json"
 
     def child_work() -> Any:
-        # Claims of its own keep the worker's lease keeper busy for several lease periods.
+        # A claim of its own keeps the worker's lease keeper busy until the test has seen
+        # the owner's claim go stale (it creates the release file then; a cap, in case not).
         def slow(key: str) -> str:
-            time.sleep(args.lease_s * 4)
+            release = args.dir / "release"
+            deadline = time.monotonic() + 120
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             return provider.charge(key)
 
         child_ledger = _child_ledger(args.child, ledger, args.url, lease_s=args.lease_s)

@@ -144,7 +144,10 @@ def test_owner_killed_after_forking_goes_stale(
                 retry.run("held", lambda: provider.charge("held"))
         finally:
             retry.close()
-        # The worker's own claim is unaffected: it finishes and commits once.
+        # The worker's own claim is unaffected, after several lease periods of renewals: it
+        # finishes and commits once.
+        time.sleep(max(0.0, 2 * lease_s - (time.time() - marker["at"])))
+        (tmp_path / "release").touch()
         result = wait_for(tmp_path / "child.json", timeout=30)
     assert result.get("value", "").startswith("ch_"), result
     assert [e["key"] for e in provider.effects()] == ["child-own"]

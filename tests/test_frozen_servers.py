@@ -37,8 +37,10 @@ from tests.servers import (
     start_redis,
 )
 
-TIMEOUT_S = 2.0
-# Every timeout of the backend is TIMEOUT_S; an operation must end within this.
+# Every timeout of the backend is TIMEOUT_S; an operation must end within BOUND_S (the
+# issue's bound, the timeout plus a second). Each case waits out a few of these timeouts,
+# so they are short; the live server answers well within them even on a loaded machine.
+TIMEOUT_S = 1.0
 BOUND_S = TIMEOUT_S + 1.0
 
 
