@@ -41,6 +41,7 @@ from ._policy import (
     StalePolicy,
     _Options,
     check_durations,
+    check_seconds,
 )
 from ._reconcile import aask, ask
 from ._record import Record, Status, _whoami
@@ -83,6 +84,10 @@ class Ledger(_Machine):
     `run(key, fn)` runs `fn` at most once per key across threads, processes and (with a
     shared backend) hosts, returning the stored result on every later call. See the
     README for the state machine.
+
+    `clock` (a `_policy.Clock`) measures this ledger's waits: `wait_s` on a live claim,
+    the pauses between polls and between commit retries. Tests and simulations give one
+    they move; by default `time.monotonic` and `time.sleep`, looked up once, here.
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class Ledger(_Machine):
         if not isinstance(backend, CacheBackend):
             raise TypeError(f"backend must be a CacheBackend, not {type(backend).__name__}")
         check_durations(wait_s, lease_s, ttl)
+        check_seconds("commit_retry_s", commit_retry_s)
         self.backend = backend
         self.wait_s = wait_s
         self.lease_s = lease_s

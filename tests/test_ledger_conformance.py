@@ -576,6 +576,12 @@ def test_the_ledger_and_the_configuration_refuse_the_same_durations(name: str, b
         assert isinstance(by_ledger.value, TypeError)
 
 
+@pytest.mark.parametrize("bad", [True, -1.0, float("nan"), None])
+def test_a_bad_commit_retry_time_is_refused(bad: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="commit_retry_s must be"):
+        Ledger(InMemoryCacheBackend(), commit_retry_s=bad)
+
+
 def test_no_ttl_means_the_receipt_never_expires(ledger: Ledger, provider: Provider) -> None:
     ledger.run("forever", provider.body("forever"))
     record = ledger.get("forever")
