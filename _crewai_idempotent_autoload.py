@@ -2,18 +2,22 @@
 start-up cost.
 
 `crewai_idempotent_autoload.pth`, installed next to this module, imports it at interpreter
-start-up. It is a top-level module, outside the `crewai_idempotent` package, because
-importing anything inside the package first runs the package's `__init__` (the whole
-ledger, asyncio included); this module loads from its cached bytecode and only puts a
-finder at the front of `sys.meta_path`. When `crewai` is first imported, the finder lets
-the normal machinery load it and, once its module has executed, imports
-`crewai_idempotent.integration` and calls `install()`. `crewai_idempotent._autoload`
-re-exports these functions for the package. (An editable install holds a copy of this
-file in site-packages: reinstall after editing it.)
+start-up and calls `install_import_hook("crewai_idempotent.integration:install")`. It is a
+top-level module, outside the `crewai_idempotent` package, because importing anything
+inside the package first runs the package's `__init__`; this module loads from its cached
+bytecode and only puts a finder at the front of `sys.meta_path`. When `crewai` is first
+imported, the finder lets the normal machinery load it and, once its module has executed,
+calls the activation it was given: a callable, or an entry-point string
+("module:attribute") it resolves with importlib then, so that this module imports nothing
+of the package and the package imports this one, never the other way round.
+`import crewai_idempotent` passes the integration's `install` itself. (An editable install
+holds a copy of this file in site-packages: reinstall after editing it.)
 
 wrapt's `register_post_import_hook` does the same job, but importing wrapt pulls in
 asyncio, inspect and importlib.metadata (100+ ms measured here), far over the start-up
 budget; this module imports only `os` and `sys`, which the interpreter has already loaded.
+`when_imported` is the same finder for any module (the integration patches crewai's
+LiteAgent only once `crewai.lite_agent` is imported, which `import crewai` does not do).
 
 `CREWAI_IDEMPOTENT_AUTOLOAD=0` (or false/no/off) switches this start-up hook off, and
 only it: `import crewai_idempotent` and `crewai_idempotent.install()` still activate the
@@ -55,10 +59,14 @@ def autoload_enabled() -> bool:
     return value not in ("0", "false", "no", "off")
 
 
-def _activate() -> None:
-    from crewai_idempotent.integration import install
+def _resolve(activation: object) -> object:
+    """The callable an entry-point string ("module:attribute") names; a callable as is."""
+    if not isinstance(activation, str):
+        return activation
+    module_name, _, attribute = activation.partition(":")
+    import importlib
 
-    install()
+    return getattr(importlib.import_module(module_name), attribute)
 
 
 def _explain_inactive() -> None:
@@ -101,17 +109,19 @@ def _explain_inactive() -> None:
     setattr(base_tool_module, "tool", tool)  # noqa: B010
 
 
-class CrewAIImportHook:
-    """A meta-path finder that calls `_activate` right after `crewai` has executed."""
+class PostImportHook:
+    """A meta-path finder that runs `then()` right after the module `name` has executed."""
 
     _crewai_idempotent_hook = True
 
-    def __init__(self, explain_only: bool = False) -> None:
+    def __init__(self, name: str, then: object, explain_only: bool = False) -> None:
         self._searching = False
+        self.name = name
+        self.then = then
         self.explain_only = explain_only
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
-        if fullname != TARGET or self._searching:
+        if fullname != self.name or self._searching:
             return None
         self._searching = True
         try:
@@ -124,45 +134,66 @@ class CrewAIImportHook:
             return spec
         loader = spec.loader
         run_module = getattr(loader, "exec_module")  # noqa: B009 - untyped on purpose
-
-        explain_only = self.explain_only
+        name, then = self.name, self.then
 
         def exec_module(module: object) -> None:
             run_module(module)
-            # crewai has executed in full: install() may import any part of it now. On a
-            # crewai outside the tested range it never raises (flagged tools refuse at call
-            # time instead); inside it, a failure raises here rather than guard nothing.
-            remove_import_hook()
-            if explain_only:
-                _explain_inactive()
-            else:
-                _activate()
+            # The module has executed in full: `then` may import any part of it now. For
+            # crewai, install() never raises outside the tested range (flagged tools refuse
+            # at call time instead); inside it, a failure raises here rather than guard
+            # nothing.
+            remove_import_hook(name)
+            _resolve(then)()  # type: ignore[operator]
 
         # A per-instance override: the loader keeps its class, so resource readers and
-        # `isinstance` checks on `crewai.__loader__` behave as before.
+        # `isinstance` checks on the module's `__loader__` behave as before.
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-def install_import_hook(force: bool = False) -> bool:
-    """Activate now if crewai is loaded, else when it is. False if switched off (then the
-    hook only explains, see the module docstring); `force` ignores the switch."""
-    enabled = force or autoload_enabled()
-    module = sys.modules.get(TARGET)
-    if module is not None and not getattr(
+def _loaded(name: str) -> bool:
+    module = sys.modules.get(name)
+    return module is not None and not getattr(
         getattr(module, "__spec__", None), "_initializing", False
-    ):
+    )
+
+
+def _hooks(name: str) -> list[object]:
+    return [f for f in sys.meta_path if getattr(f, _MARK, False) and getattr(f, "name", 0) == name]
+
+
+def when_imported(name: str, then: object) -> None:
+    """Call `then()` now if the module `name` is loaded, else right after it is (once; a
+    second call for the same module replaces the first)."""
+    if _loaded(name):
+        _resolve(then)()  # type: ignore[operator]
+        return
+    remove_import_hook(name)
+    sys.meta_path.insert(0, PostImportHook(name, then))  # type: ignore[arg-type]
+
+
+def install_import_hook(activation: object, force: bool = False) -> bool:
+    """Call `activation` (a callable, or "module:attribute") now if crewai is loaded, else
+    when it is. False if switched off (then the hook only explains, see the module
+    docstring); `force` ignores the switch."""
+    enabled = force or autoload_enabled()
+    if _loaded(TARGET):
         if enabled:
-            _activate()
+            _resolve(activation)()  # type: ignore[operator]
         return enabled
-    hooks = [finder for finder in sys.meta_path if getattr(finder, _MARK, False)]
-    if enabled and any(getattr(finder, "explain_only", False) for finder in hooks):
-        remove_import_hook()
+    hooks = _hooks(TARGET)
+    if enabled and any(getattr(hook, "explain_only", False) for hook in hooks):
+        remove_import_hook(TARGET)
         hooks = []
     if not hooks:
-        sys.meta_path.insert(0, CrewAIImportHook(explain_only=not enabled))  # type: ignore[arg-type]
+        then = activation if enabled else _explain_inactive
+        sys.meta_path.insert(0, PostImportHook(TARGET, then, explain_only=not enabled))  # type: ignore[arg-type]
     return enabled
 
 
-def remove_import_hook() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, _MARK, False)]
+def remove_import_hook(name: str = TARGET) -> None:
+    """Take out the finder waiting for `name` (crewai by default), if any."""
+    # By mark, not class: a copy of this module loaded under another name marks its own.
+    sys.meta_path[:] = [
+        f for f in sys.meta_path if not (getattr(f, _MARK, False) and getattr(f, "name", 0) == name)
+    ]

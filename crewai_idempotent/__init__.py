@@ -2,13 +2,16 @@
 
 Importing this package activates the crewai integration (now if crewai is imported, else
 when it is), whatever CREWAI_IDEMPOTENT_AUTOLOAD says: that variable switches off only the
-automatic start-up hook. Backends and their libraries load when first used.
+automatic start-up hook. Everything else loads on first use (the ledger and asyncio, the
+backends and their client libraries, approvals, spend caps), so that `import crewai` with
+the integration active pays for none of it.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._approvals import ApprovalRequest, Approvals, ApprovalState
-from ._backend import CacheBackend
+from _crewai_idempotent_autoload import install_import_hook
+
 from ._errors import (
     ApprovalDenied,
     ApprovalRequired,
@@ -24,36 +27,57 @@ from ._errors import (
     ResolutionRefused,
     SpendCapExceeded,
 )
-from ._keys import fingerprint, validate_key
-from ._ledger import Ledger, Outcome
-from ._reconcile import Absent, Found, Unknown
-from ._record import Event, Owner, Record, Status
-from ._spend import Money, SpendCap, SpendLedger
-
-# The crewai integration imports crewai only once crewai itself is imported.
-from .integration import IdempotencyConfig, KeyContext, configure, idempotent, install, uninstall
-from .integration import activate as _activate
+from .integration import install, uninstall
 
 if TYPE_CHECKING:
+    from ._approvals import ApprovalRequest, Approvals, ApprovalState
+    from ._backend import CacheBackend
+    from ._keys import fingerprint, validate_key
+    from ._ledger import Ledger, Outcome
+    from ._reconcile import Absent, Found, Unknown
+    from ._record import Event, Owner, Record, Status
+    from ._spend import Money, SpendCap, SpendLedger
     from .backends._url import backend_from_url
     from .backends.filelock import FileLockCacheBackend
     from .backends.memory import InMemoryCacheBackend
     from .backends.postgres import PostgresCacheBackend
     from .backends.redis import RedisCacheBackend, RedisDurabilityWarning
     from .backends.sqlite import SQLiteCacheBackend
+    from .integration import IdempotencyConfig, KeyContext, configure, idempotent
     from .integration._strict import IdempotentTool, idempotent_tool
 
-# Loaded on first use, so that `import crewai` with the integration active pays for none of
-# them: backends (and filelock, sqlite3, psycopg, redis-py), and the strict tool forms
-# (which import crewai).
+# Where each name loaded on first use lives.
 _LAZY = {
+    "ApprovalRequest": "._approvals",
+    "ApprovalState": "._approvals",
+    "Approvals": "._approvals",
+    "CacheBackend": "._backend",
+    "fingerprint": "._keys",
+    "validate_key": "._keys",
+    "Ledger": "._ledger",
+    "Outcome": "._ledger",
+    "Absent": "._reconcile",
+    "Found": "._reconcile",
+    "Unknown": "._reconcile",
+    "Event": "._record",
+    "Owner": "._record",
+    "Record": "._record",
+    "Status": "._record",
+    "Money": "._spend",
+    "SpendCap": "._spend",
+    "SpendLedger": "._spend",
+    "backend_from_url": ".backends._url",
     "FileLockCacheBackend": ".backends.filelock",
     "InMemoryCacheBackend": ".backends.memory",
-    "SQLiteCacheBackend": ".backends.sqlite",
-    "backend_from_url": ".backends._url",
     "PostgresCacheBackend": ".backends.postgres",
     "RedisCacheBackend": ".backends.redis",
     "RedisDurabilityWarning": ".backends.redis",
+    "SQLiteCacheBackend": ".backends.sqlite",
+    "IdempotencyConfig": ".integration",
+    "KeyContext": ".integration",
+    "configure": ".integration",
+    "idempotent": ".integration",
+    # The strict tool forms import crewai.
     "IdempotentTool": ".integration._strict",
     "idempotent_tool": ".integration._strict",
 }
@@ -61,8 +85,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
@@ -118,4 +140,6 @@ __all__ = [
     "validate_key",
 ]
 
-_activate()
+# Activate: install now if crewai is loaded, else the moment it is (the start-up hook may
+# already be waiting with the same install).
+install_import_hook(install, force=True)

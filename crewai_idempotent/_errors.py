@@ -3,7 +3,7 @@ exception is recorded (`classify_failure`): what proves nothing happened, and wh
 
 from __future__ import annotations
 
-import asyncio
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ._status import Status
@@ -196,7 +196,11 @@ def classify_failure(exc: BaseException) -> tuple[Status, str]:
     ordinary exception; UNCERTAIN for anything that does not prove the effect is absent."""
     if isinstance(exc, OutcomeUnknown):
         return Status.UNCERTAIN, f"the tool reported an unknown outcome: {exc}"
-    if isinstance(exc, TimeoutError | asyncio.CancelledError) or _looks_like_timeout(exc):
+    # asyncio by name: `import crewai_idempotent` does not load it, and a CancelledError
+    # exists only once something has.
+    asyncio = sys.modules.get("asyncio")
+    cancelled = asyncio is not None and isinstance(exc, asyncio.CancelledError)
+    if isinstance(exc, TimeoutError) or cancelled or _looks_like_timeout(exc):
         return Status.UNCERTAIN, (
             f"the body was interrupted ({type(exc).__name__}: {exc}); a timeout or "
             "cancellation does not prove the effect did not happen"

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._backend import CacheBackend
+from ._errors import LedgerUnavailable
 from ._record import Record, Status
 from ._results import decode, encode
 
@@ -86,7 +87,5 @@ def update(
 def _doc(record: Record) -> dict[str, Any]:
     value = decode(record.result)
     if not isinstance(value, dict):
-        from ._errors import LedgerUnavailable
-
         raise LedgerUnavailable(f"the ledger holds a corrupt document under {record.key!r}")
     return value

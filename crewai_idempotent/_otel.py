@@ -26,9 +26,19 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from ._errors import (
+    ApprovalDenied,
+    ApprovalRequired,
+    BodyFailed,
+    IdempotencyKeyConflict,
+    OperationInProgress,
+    OutcomeUncertain,
+    SpendCapExceeded,
+)
+from ._record import Record, Status
+
 if TYPE_CHECKING:
     from ._ledger import Ledger
-    from ._record import Record
 
 SCOPE = "crewai_idempotent"
 OUTCOMES = ("claim", "replay", "conflict", "uncertain", "approval")
@@ -297,16 +307,6 @@ def observe(tool: str, key: str, backend: Any) -> Observer:
 
 def outcome_of(error: BaseException) -> str:
     """The span outcome of a call that raised `error`."""
-    from ._errors import (
-        ApprovalDenied,
-        ApprovalRequired,
-        BodyFailed,
-        IdempotencyKeyConflict,
-        OperationInProgress,
-        OutcomeUncertain,
-        SpendCapExceeded,
-    )
-
     cause = error.__cause__ if isinstance(error, BodyFailed) else error
     declared = getattr(cause, "idempotency_outcome", None)
     if declared in OUTCOMES:
@@ -336,8 +336,6 @@ class _UncertainWatch:
         self.interval_s = 60.0
 
     def count_now(self) -> dict[str, int]:
-        from ._record import Status
-
         counts: dict[str, int] = {}
         for ledger in list(self.ledgers):
             label = backend_label(ledger.backend)

@@ -215,3 +215,181 @@ print(json.dumps({{"charges": FakeProvider({str(provider)!r}).count()}}))
         CREWAI_IDEMPOTENT_AUTOLOAD="0",
     )
     assert report == {"charges": 1}
+
+
+def test_uninstall_drops_the_pending_import_hook(tmp_path: Path) -> None:
+    """Before crewai is imported, `uninstall()` leaves nothing waiting for it: the later
+    `import crewai` is crewai alone, whether the start-up hook or the import set it up."""
+    probe = """
+import json, sys
+import crewai_idempotent
+from crewai_idempotent.integration import is_installed
+waiting = [f for f in sys.meta_path if getattr(f, "_crewai_idempotent_hook", False)]
+crewai_idempotent.uninstall()
+import crewai
+from crewai.tools import tool
+report = {"waiting_before": len(waiting), "installed": is_installed()}
+try:
+    tool("x", idempotent=True)
+    report["tool_kwarg"] = "accepted"
+except TypeError:
+    report["tool_kwarg"] = "refused"
+crewai_idempotent.install()  # and an explicit install still works
+report["installed_after_install"] = is_installed()
+print(json.dumps(report))
+"""
+    expected = {
+        "waiting_before": 1,
+        "installed": False,
+        "tool_kwarg": "refused",
+        "installed_after_install": True,
+    }
+    assert _run(probe, CREWAI_IDEMPOTENT_AUTOLOAD="1") == expected
+    assert _run(probe, CREWAI_IDEMPOTENT_AUTOLOAD="0") == expected
+
+
+# What `import crewai` with the integration active must not load (issue 14: activation
+# adds under 10 ms): the ledger, stores, gates, tracing, and crewai's LiteAgent module.
+HEAVY = (
+    "crewai_idempotent._ledger",
+    "crewai_idempotent._approvals",
+    "crewai_idempotent._spend",
+    "crewai_idempotent._otel",
+    "crewai_idempotent._record",
+    "crewai_idempotent.backends",
+    "crewai_idempotent.integration._config",
+    "crewai_idempotent.integration._guard",
+    "crewai_idempotent.integration._gates",
+    "crewai_idempotent.integration._flag",
+    "crewai.lite_agent",
+    "rfc8785",
+)
+
+
+def test_activation_loads_only_what_it_patches_in() -> None:
+    report = _run(
+        f"""
+import json, sys
+import crewai
+from crewai.tools import BaseTool
+from crewai_idempotent.integration import is_installed
+active = is_installed()
+heavy = [m for m in {HEAVY!r} if m in sys.modules]
+
+class Lookup(BaseTool):
+    name: str = "lookup"
+    description: str = "Look a thing up."
+
+    def _run(self, q: str) -> str:
+        return q
+
+answer = Lookup().run(q="x")  # an unflagged tool: still nothing of the guard
+print(json.dumps({{
+    "active": active,
+    "heavy": heavy,
+    "guarded_run": hasattr(Lookup._run, "__crewai_idempotent_guard__"),
+    "answer": answer,
+    "heavy_after_call": [m for m in {HEAVY!r} if m in sys.modules],
+}}))
+""",
+        CREWAI_IDEMPOTENT_AUTOLOAD="1",
+    )
+    assert report == {
+        "active": True,
+        "heavy": [],
+        "guarded_run": True,
+        "answer": "x",
+        "heavy_after_call": [],
+    }
+
+
+def test_lite_agent_is_patched_when_its_module_is_imported() -> None:
+    """crewai.lite_agent is left to load when used; its kickoff gets the boundary then, and
+    not after uninstall()."""
+    report = _run(
+        """
+import json, sys
+import crewai, crewai_idempotent
+report = {"loaded_at_activation": "crewai.lite_agent" in sys.modules}
+from crewai.lite_agent import LiteAgent
+report["patched"] = "kickoff" in vars(LiteAgent) and hasattr(LiteAgent.kickoff, "__wrapped__")
+crewai_idempotent.uninstall()
+report["restored"] = not hasattr(LiteAgent.kickoff, "__wrapped__")
+print(json.dumps(report))
+""",
+        CREWAI_IDEMPOTENT_AUTOLOAD="0",
+    )
+    assert report == {"loaded_at_activation": False, "patched": True, "restored": True}
+    untouched = _run(
+        """
+import json
+import crewai, crewai_idempotent
+crewai_idempotent.uninstall()
+from crewai.lite_agent import LiteAgent
+print(json.dumps({"patched": hasattr(LiteAgent.kickoff, "__wrapped__")}))
+""",
+        CREWAI_IDEMPOTENT_AUTOLOAD="0",
+    )
+    assert untouched == {"patched": False}
+
+
+def test_every_public_name_imports() -> None:
+    report = _run(
+        """
+import json, sys
+import crewai_idempotent
+names = crewai_idempotent.__all__
+namespace = {}
+exec("from crewai_idempotent import *", namespace)
+missing = [n for n in names if n not in namespace]
+import crewai_idempotent.integration as integration
+missing += [n for n in integration.__all__ if not hasattr(integration, n)]
+print(json.dumps({"missing": missing, "count": len(names)}))
+""",
+    )
+    assert report["missing"] == [] and report["count"] > 40
+
+
+def test_the_start_up_hook_imports_nothing_of_the_package() -> None:
+    """Activation runs one way: package -> integration -> hook module. The hook reaches
+    the integration only through the entry-point string the .pth hands it."""
+    import ast
+
+    hook = REPO / "_crewai_idempotent_autoload.py"
+    imported = [
+        alias.name if isinstance(node, ast.Import) else str(node.module)
+        for node in ast.walk(ast.parse(hook.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert imported and not [name for name in imported if name.startswith("crewai_idempotent")]
+    pth = (REPO / "crewai_idempotent_autoload.pth").read_text()
+    assert '"crewai_idempotent.integration:install"' in pth
+
+
+def test_unsupported_crewai_version_is_an_idempotency_error() -> None:
+    import pickle
+
+    from crewai_idempotent import IdempotencyError
+    from crewai_idempotent.integration import UnsupportedCrewAIVersion
+
+    error = UnsupportedCrewAIVersion("crewai 9.0 is installed")
+    assert isinstance(error, IdempotencyError) and isinstance(error, RuntimeError)
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is UnsupportedCrewAIVersion and str(copy) == str(error)
+
+
+def test_importing_the_package_alone_loads_no_asyncio_and_no_ledger() -> None:
+    report = _run(
+        f"""
+import json, sys
+import crewai_idempotent
+print(json.dumps({{
+    "asyncio": "asyncio" in sys.modules,
+    "crewai": "crewai" in sys.modules,
+    "heavy": [m for m in {HEAVY!r} if m in sys.modules],
+}}))
+""",
+        CREWAI_IDEMPOTENT_AUTOLOAD="0",
+    )
+    assert report == {"asyncio": False, "crewai": False, "heavy": []}

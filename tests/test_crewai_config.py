@@ -19,7 +19,8 @@ from crewai_idempotent import (
     Status,
     configure,
 )
-from crewai_idempotent.integration._config import ToolOptions, default_ledger_path, resolve
+from crewai_idempotent.integration._config import ToolOptions, resolve
+from crewai_idempotent.integration._ledgers import default_ledger_path
 from tests.crewai_support.crews import charge_tool, payment_crew, scripted
 from tests.crewai_support.provider import FakeProvider
 from tests.crewai_support.versions import CREWAI, HAS_FORMATTED_DESCRIPTION
@@ -106,7 +107,8 @@ def test_crew_setting_beats_configure_which_beats_the_environment(
 
 
 def test_option_precedence_tool_crew_configure() -> None:
-    configure(wait_s=3, lease_s=40, ttl=100, on_uncertain="report", backend=InMemoryCacheBackend())
+    configured = InMemoryCacheBackend()
+    configure(wait_s=3, lease_s=40, ttl=100, on_uncertain="report", backend=configured)
     crew = IdempotencyConfig(wait_s=2, idempotency_key="crew:{fingerprint}")
     tool = ToolOptions(wait_s=1)
 
@@ -114,11 +116,13 @@ def test_option_precedence_tool_crew_configure() -> None:
     assert settings.wait_s == 1  # tool
     assert settings.idempotency_key == "crew:{fingerprint}"  # crew
     assert (settings.lease_s, settings.ttl, settings.on_uncertain) == (40, 100, "report")
-    assert settings.backend_source == "configure()"
+    assert settings.ledger.backend is configured  # configure()'s, the crew setting none
 
     configure(None)
     defaults = resolve(ToolOptions(), None)
-    assert defaults.on_uncertain == "raise" and defaults.backend_source == "default"
+    assert defaults.on_uncertain == "raise"
+    default = defaults.ledger.backend
+    assert isinstance(default, SQLiteCacheBackend) and default.path == default_ledger_path()
     assert "ttl" not in defaults.ledger_options()  # unset: the ledger's default applies
 
 

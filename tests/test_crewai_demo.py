@@ -10,7 +10,7 @@ from rich.console import Console
 
 from crewai_idempotent import SQLiteCacheBackend, Status
 from crewai_idempotent.demo import main, run_demo
-from crewai_idempotent.integration._config import default_ledger_path
+from crewai_idempotent.integration import default_ledger_path
 
 pytest_plugins = ["tests.crewai_support.fixtures"]
 pytestmark = pytest.mark.usefixtures("isolated_crewai")

@@ -12,7 +12,7 @@ import pytest
 from crewai.tools import tool
 
 from crewai_idempotent import SQLiteCacheBackend, Status, fingerprint
-from crewai_idempotent.integration._config import default_ledger_path, ledger_for
+from crewai_idempotent.integration._ledgers import default_ledger_path, ledger_for
 from crewai_idempotent.integration.events import (
     IdempotencyClaimEvent,
     IdempotencyConflictEvent,

@@ -15,7 +15,7 @@ from crewai.tools import BaseTool, tool
 from crewai.tools.base_tool import Tool
 
 from crewai_idempotent import IdempotencyKeyConflict, InvalidIdempotencyKey, idempotent
-from crewai_idempotent.integration._tools import ledger_owns_cache
+from crewai_idempotent.integration._flag import ledger_owns_cache
 from tests.crewai_support.crews import (
     ChargeTool,
     PlainChargeTool,
@@ -309,7 +309,7 @@ def test_explicit_key_from_a_direct_caller_wins(charges: FakeProvider) -> None:
 
 def test_unflagging_restores_the_function(charges: FakeProvider) -> None:
     from crewai_idempotent.integration._config import ToolOptions
-    from crewai_idempotent.integration._tools import flag
+    from crewai_idempotent.integration._flag import flag
 
     charge = charge_tool(charges, idempotent=True)
     original = charge.func.__crewai_idempotent_guard__

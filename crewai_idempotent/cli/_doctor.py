@@ -24,7 +24,7 @@ from .. import Status
 from ..backends._url import local_path
 from ..integration import default_ledger_path
 from ..integration._compat import ALLOW_UNTESTED_ENV, untested_allowed
-from ..integration._config import describe_default
+from ..integration._ledgers import describe_default
 from ..integration._patch import is_supported, supported_range
 from ..integration._selftest import run_in_subprocess
 from ._output import safe

@@ -1,27 +1,53 @@
 """The crewai integration: `idempotent=True` on tools, guarded on every path.
 
 The only part of crewai_idempotent that imports crewai, and only when crewai is in use:
-importing this package imports nothing from crewai; `install()` (run automatically when
-crewai is imported, see `crewai_idempotent._autoload`) does.
+importing this package imports nothing from crewai; `install()` (run when crewai is
+imported: `import crewai_idempotent` or the start-up hook `_crewai_idempotent_autoload`
+asks for it) does.
+
+Activation stays cheap (issue 14: under 10 ms added to `import crewai`): this package
+loads only what `install()` patches into crewai (`_patch`, `_tools`, `_call`, `_compat`);
+the options, the ledgers, the guard and the gates load on first use, as do the names
+below that need them.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._config import URL_ENV, IdempotencyConfig, configure, default_ledger_path
-from ._keying import KeyContext
-from ._patch import UnsupportedCrewAIVersion, install, is_installed, uninstall
+from ._compat import UnsupportedCrewAIVersion
+from ._patch import install, is_installed, uninstall
 
 if TYPE_CHECKING:
-    from crewai.tools.base_tool import BaseTool
+    from ._config import IdempotencyConfig, configure
+    from ._keying import KeyContext
+    from ._ledgers import URL_ENV, default_ledger_path
+    from ._wrap import idempotent
+
+_LAZY = {
+    "IdempotencyConfig": "._config",
+    "configure": "._config",
+    "KeyContext": "._keying",
+    "URL_ENV": "._ledgers",
+    "default_ledger_path": "._ledgers",
+    "idempotent": "._wrap",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "URL_ENV",
     "IdempotencyConfig",
     "KeyContext",
     "UnsupportedCrewAIVersion",
-    "activate",
     "configure",
     "default_ledger_path",
     "idempotent",
@@ -29,22 +55,3 @@ __all__ = [
     "is_installed",
     "uninstall",
 ]
-
-
-def activate() -> None:
-    """Install now if crewai is imported, else as soon as it is (what `import
-    crewai_idempotent` does; CREWAI_IDEMPOTENT_AUTOLOAD does not switch it off)."""
-    from .._autoload import install_import_hook
-
-    install_import_hook(force=True)
-
-
-def idempotent(tool: BaseTool, key: Any = None, **options: Any) -> BaseTool:
-    """A guarded copy of a tool someone else wrote: `idempotent(tool, key="charge:{id}")`.
-
-    Options: `key` (or `idempotency_key`), `wait_s`, `lease_s`, `ttl`, `reconcile`,
-    `on_stale`, `fingerprint`, as for `@tool(..., idempotent=True)`.
-    """
-    from ._tools import idempotent as _idempotent
-
-    return _idempotent(tool, key, **options)

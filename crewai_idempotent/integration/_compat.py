@@ -14,7 +14,6 @@ crewai is imported inside functions, for the reason given in _guard's docstring.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextvars
 import functools
@@ -28,6 +27,8 @@ import unicodedata
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+from .._errors import IdempotencyError
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -287,6 +288,8 @@ async def ainvoke(self: Any, input: Any, config: Any = None, **kwargs: Any) -> A
     self._increment_usage_count()
     if inspect.iscoroutinefunction(self.func):
         return await self.func(**parsed_args, **kwargs)
+    import asyncio  # loaded already (this runs on its loop); `import crewai_idempotent` is not
+
     ctx = contextvars.copy_context()
     return await asyncio.get_running_loop().run_in_executor(
         None, functools.partial(ctx.run, self.func, **parsed_args, **kwargs)
@@ -350,9 +353,10 @@ def untested_allowed() -> bool:
     return os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-class UnsupportedCrewAIVersion(RuntimeError):
+class UnsupportedCrewAIVersion(IdempotencyError, RuntimeError):
     """The installed crewai is outside the range this integration was tested with: a tool
-    flagged idempotent refuses to run (nothing was run) rather than run half guarded."""
+    flagged idempotent refuses to run (nothing was run) rather than run half guarded.
+    (A RuntimeError too, as it was before it became an IdempotencyError.)"""
 
 
 def untested_message(version: str, supported: str) -> str:

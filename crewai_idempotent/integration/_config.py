@@ -10,32 +10,29 @@ that cannot hold a ledger) raises `LedgerConfigurationError` where it is given:
 `IdempotencyConfig(...)`, `configure()`, `Crew(...)`. `CREWAI_IDEMPOTENCY_URL` is read at
 `Crew(...)` and at the first guarded call; a bad value stops the kickoff there, as an
 uncertain outcome does, instead of becoming a tool error the model reads.
+
+Every option is checked here where it is given (approval gates and spend caps included);
+`_ledgers` opens and keeps the ledgers, `_gates` applies the gates at a call.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._keys import fingerprint as _fingerprint
 from .._ledger import Ledger, StalePolicy
 from .._policy import check_seconds
+from .._spend import SpendCap
+from ._ledgers import URL_ENV, announce, backend_from, default_backend, env_backend, ledger_for
 
 if TYPE_CHECKING:
     from .._reconcile import Verdict
-
-log = logging.getLogger("crewai_idempotent")
-
-URL_ENV = "CREWAI_IDEMPOTENCY_URL"
-DEFAULT_LEDGER_NAME = "crewai_idempotent.db"
 
 OnUncertain = Literal["raise", "report"]
 KeySpec = str | Callable[[dict[str, Any], Any], str]
@@ -43,6 +40,7 @@ Reconciler = Callable[[str, Any], "Verdict | Any"]
 Fingerprinter = Callable[[dict[str, Any]], Any]
 
 _ON_UNCERTAIN = ("raise", "report")
+_ON_APPROVAL = ("raise", "report")
 _ON_STALE = get_args(StalePolicy)
 
 
@@ -63,6 +61,87 @@ def _check_key_spec(name: str, value: Any) -> None:
 def _check_on_stale(value: Any) -> None:
     if value is not None and value not in _ON_STALE:
         raise ValueError(f"on_stale must be one of {', '.join(_ON_STALE)}, not {value!r}")
+
+
+# -- approval gates and spend caps (see _gates.py and docs/approvals.md) -----------------
+
+
+def _check_approval(where: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool) and not callable(value):
+        raise TypeError(
+            f"{where}: approval must be True, False or a callable (args, ctx) -> bool, "
+            f"not {type(value).__name__}"
+        )
+
+
+def _check_spend(where: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(
+            f"{where}: spend must be a callable (args) -> Money, not {type(value).__name__}"
+        )
+
+
+def _check_caps(where: str, value: Any) -> tuple[SpendCap, ...] | None:
+    if value is None:
+        return None
+    caps = (value,) if isinstance(value, SpendCap) else value
+    if isinstance(caps, str | bytes) or not hasattr(caps, "__iter__"):
+        raise TypeError(f"{where}: caps must be a SpendCap or a list of them, not {value!r}")
+    caps = tuple(caps)
+    for cap in caps:
+        if not isinstance(cap, SpendCap):
+            raise TypeError(f"{where}: caps must hold SpendCap objects, not {cap!r}")
+    labels = [c.label for c in caps]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"{where}: two caps share a name {labels}; give them name=...")
+    return caps
+
+
+def _check_approval_handling(where: str, on_approval: Any, wait_s: Any) -> None:
+    if on_approval is not None and on_approval not in _ON_APPROVAL:
+        raise ValueError(f"{where}: on_approval must be 'raise' or 'report', not {on_approval!r}")
+    if wait_s is not None and (
+        isinstance(wait_s, bool)
+        or not isinstance(wait_s, int | float)
+        or math.isnan(wait_s)
+        or wait_s < 0
+    ):
+        raise ValueError(f"{where}: approval_wait_s must be 0 or more seconds, not {wait_s!r}")
+
+
+def _check_tool_gates(options: ToolOptions) -> None:
+    where = "tool options"
+    _check_approval(where, options.approval)
+    _check_spend(where, options.spend)
+    caps = _check_caps(where, options.caps)
+    if caps is not None:
+        object.__setattr__(options, "caps", caps)
+    _check_approval_handling(where, options.on_approval, options.approval_wait_s)
+    redact = options.redact
+    if redact is not None:
+        if isinstance(redact, str) or not all(isinstance(n, str) for n in redact):
+            raise TypeError(f"{where}: redact must be a list of argument names, not {redact!r}")
+        object.__setattr__(options, "redact", tuple(redact))
+
+
+def _check_crew_gates(config: IdempotencyConfig) -> None:
+    where = "IdempotencyConfig"
+    for field in ("approval", "spend"):
+        value = getattr(config, field)
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{where}: {field} must map tool names to the option, not {value!r}")
+        for name, option in value.items():
+            if not isinstance(name, str):
+                raise TypeError(f"{where}: {field} keys are tool names, not {name!r}")
+            (_check_approval if field == "approval" else _check_spend)(
+                f"{where}.{field}[{name!r}]", option
+            )
+    caps = _check_caps(where, config.caps)
+    if caps is not None:
+        object.__setattr__(config, "caps", caps)
+    _check_approval_handling(where, config.on_approval, config.approval_wait_s)
 
 
 @dataclass(frozen=True)
@@ -86,7 +165,7 @@ class IdempotencyConfig:
     lease_s: float | None = None
     ttl: float | None = None
     on_stale: StalePolicy | None = None
-    # Approval gates and spend caps (see _gates.py and docs/approvals.md): by tool name.
+    # Approval gates and spend caps (checked below, used by _gates.py): by tool name.
     approval: Mapping[str, bool | Callable[[dict[str, Any], Any], bool]] | None = None
     spend: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None
     caps: Any = None
@@ -94,16 +173,14 @@ class IdempotencyConfig:
     approval_wait_s: float | None = None
 
     def __post_init__(self) -> None:
-        from ._gates import check_crew_options
-
-        check_crew_options(self)
+        _check_crew_gates(self)
         if self.backend is not None and not isinstance(self.backend, CacheBackend | str):
             raise TypeError(
                 "backend must be a crewai_idempotent CacheBackend or a ledger URL string, "
                 f"not {type(self.backend).__name__}"
             )
         if isinstance(self.backend, str):
-            _backend_from(self.backend)  # refused here, not at the first tool call
+            backend_from(self.backend)  # refused here, not at the first tool call
         if self.on_uncertain is not None and self.on_uncertain not in _ON_UNCERTAIN:
             raise ValueError(f"on_uncertain must be 'raise' or 'report', not {self.on_uncertain!r}")
         _check_key_spec("idempotency_key", self.idempotency_key)
@@ -136,9 +213,7 @@ class ToolOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.idempotent, bool):
             raise TypeError(f"idempotent must be True or False, not {self.idempotent!r}")
-        from ._gates import check_tool_options
-
-        check_tool_options(self)
+        _check_tool_gates(self)
         _check_key_spec("idempotency_key", self.idempotency_key)
         _check_seconds("wait_s", self.wait_s)
         _check_seconds("lease_s", self.lease_s, positive=True)
@@ -193,8 +268,6 @@ OPTION_NAMES = tuple(f.name for f in fields(ToolOptions))
 
 _lock = threading.RLock()
 _process_config: IdempotencyConfig | None = None
-_url_backends: dict[str, CacheBackend] = {}
-_default_backends: dict[str, CacheBackend] = {}
 
 
 def configure(
@@ -216,66 +289,9 @@ def configure(
     return previous
 
 
-def default_ledger_path() -> Path:
-    """The embedded default: `crewai_idempotent.db` in crewai's storage folder."""
-    from ._compat import db_storage_path
-
-    return Path(db_storage_path()) / DEFAULT_LEDGER_NAME
-
-
-_LEDGER_ATTR = "_crewai_idempotent_ledger"
-
-
-def ledger_for(backend: CacheBackend) -> Ledger:
-    """One Ledger per backend object, kept on the backend itself: it lives exactly as long
-    as the backend (a crew's backend goes away with the crew) and shares its lease keeper
-    across every call that uses it."""
-    state = getattr(backend, "__dict__", None)
-    if state is None:  # a backend with __slots__: a ledger per call still guards correctly
-        return Ledger(backend)
-    with _lock:
-        ledger = state.get(_LEDGER_ATTR)
-        if ledger is None:
-            ledger = state[_LEDGER_ATTR] = Ledger(backend)
-        return ledger
-
-
-def _backend_from(value: CacheBackend | str) -> CacheBackend:
-    if isinstance(value, CacheBackend):
-        return value
-    from ..backends._url import backend_from_url  # on first use: it pulls in nothing at activation
-
-    with _lock:
-        backend = _url_backends.get(value)
-        if backend is None:
-            backend = _url_backends[value] = backend_from_url(value)
-        return backend
-
-
-def _default_backend() -> CacheBackend:
-    from ..backends.sqlite import SQLiteCacheBackend
-
-    path = str(default_ledger_path())
-    with _lock:
-        backend = _default_backends.get(path)
-        if backend is None:
-            backend = _default_backends[path] = SQLiteCacheBackend(path)
-        return backend
-
-
-def env_backend() -> CacheBackend | None:
-    """The ledger CREWAI_IDEMPOTENCY_URL names, or None if it is unset or blank.
-
-    `LedgerConfigurationError` naming the variable if it cannot be used."""
-    from ..backends._options import redact
-
-    url = os.environ.get(URL_ENV, "").strip()
-    if not url:
-        return None
-    try:
-        return _backend_from(url)
-    except (LedgerConfigurationError, LedgerUnavailable, ValueError, TypeError) as exc:
-        raise LedgerConfigurationError(f"{URL_ENV}={redact(url)!r}: {exc}") from exc
+def process_config() -> IdempotencyConfig | None:
+    """What `configure()` set, if anything."""
+    return _process_config
 
 
 def check_crew_ledger(crew: IdempotencyConfig | None) -> None:
@@ -287,46 +303,11 @@ def check_crew_ledger(crew: IdempotencyConfig | None) -> None:
     env_backend()
 
 
-def _stop(error: Exception) -> NoReturn:
-    """Raise a configuration error past crewai: inside a kickoff, crewai would turn an
-    Exception from a tool into text for the model; the guard's Halt carries it out to the
-    kickoff instead, as it does an uncertain outcome."""
-    from . import _guard
-
-    if _guard._depth.get() > 0:
-        raise cast(Any, _guard.Halt)(error)
-    raise error
-
-
-_announced: set[tuple[str, int]] = set()
-
-
-def describe_default() -> str:
-    path = default_ledger_path()
-    return (
-        f"{path} (the default: crewai's storage folder, named after the current directory "
-        f"{path.parent.name!r} unless CREWAI_STORAGE_DIR is set; a crew started from another "
-        f"directory uses another ledger. Set {URL_ENV} or configure(backend=...) to pin it)"
-    )
-
-
-def _announce(source: str, backend: CacheBackend) -> None:
-    """Say once per ledger and source which ledger guarded calls use."""
-    with _lock:
-        mark = (source, id(backend))
-        if mark in _announced:
-            return
-        _announced.add(mark)
-    where = describe_default() if source == "default" else f"{backend!r} (from {source})"
-    log.info("crewai-idempotent: guarded tool calls use the ledger %s", where)
-
-
 @dataclass(frozen=True)
 class Settings:
     """The options in force for one guarded call, and where the backend came from."""
 
     ledger: Ledger
-    backend_source: str
     idempotency_key: KeySpec | None
     wait_s: float | None
     lease_s: float | None
@@ -348,7 +329,10 @@ class Settings:
 
 
 def resolve(tool: ToolOptions, crew: IdempotencyConfig | None) -> Settings:
-    """Merge tool > crew > configure() > environment > default."""
+    """Merge tool > crew > configure() > environment > default.
+
+    `LedgerConfigurationError` if the ledger that applies cannot be used (the guard
+    carries it out to the kickoff)."""
     levels = [(label, c) for label, c in (("crew", crew), ("configure()", _process_config)) if c]
 
     def pick(name: str) -> Any:
@@ -363,28 +347,23 @@ def resolve(tool: ToolOptions, crew: IdempotencyConfig | None) -> Settings:
 
     backend: CacheBackend | None = None
     source = ""
-    try:
-        for label, config in levels:
-            if config.backend is not None:
-                backend, source = _backend_from(config.backend), label
-                break
-        if backend is None:
-            backend, source = env_backend(), URL_ENV
-        if backend is None:
-            try:
-                backend, source = _default_backend(), "default"
-            except LedgerUnavailable as exc:
-                raise LedgerConfigurationError(
-                    f"the default ledger cannot be used: {exc}. Set {URL_ENV} or "
-                    "configure(backend=...)"
-                ) from exc
-    except LedgerConfigurationError as exc:
-        _stop(exc)
-    _announce(source, backend)
+    for label, config in levels:
+        if config.backend is not None:
+            backend, source = backend_from(config.backend), label
+            break
+    if backend is None:
+        backend, source = env_backend(), URL_ENV
+    if backend is None:
+        try:
+            backend, source = default_backend(), "default"
+        except LedgerUnavailable as exc:
+            raise LedgerConfigurationError(
+                f"the default ledger cannot be used: {exc}. Set {URL_ENV} or configure(backend=...)"
+            ) from exc
+    announce(source, backend)
     ttl = pick("ttl")
     return Settings(
         ledger=ledger_for(backend),
-        backend_source=source,
         idempotency_key=pick("idempotency_key"),
         wait_s=pick("wait_s"),
         lease_s=pick("lease_s"),
@@ -424,16 +403,3 @@ def merge_crew_settings(
             "different ledgers; give one"
         )
     return replace(idempotency, backend=cache_backend)
-
-
-def reset_for_tests() -> None:
-    """Forget the process default and the cached ledgers (their backends are closed)."""
-    global _process_config
-    with _lock:
-        _process_config = None
-        for backend in list(_url_backends.values()) + list(_default_backends.values()):
-            with contextlib.suppress(Exception):  # closing is best effort here
-                backend.close()
-        _url_backends.clear()
-        _default_backends.clear()
-        _announced.clear()

@@ -12,28 +12,26 @@ Options (on `@tool(...)`, `BaseTool` fields, `idempotent(tool, ...)`; a crew or
 - `approval_wait_s`: wait that long for a decision (polling the ledger) before stopping;
 - `redact`: argument names whose values the stored request hides.
 
-Nothing here imports crewai at module level (see `_guard`).
+The options are checked where they are given (`_config`); this module decides, at each
+call, which gates apply and runs the body through them (`_gating`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import _approvals, _gating
+from .._backend import CacheBackend
 from .._errors import ApprovalDenied, ApprovalRequired, SpendCapExceeded
 from .._spend import Money, SpendCap, Where
-from . import _config
+from ._call import halting
 
 if TYPE_CHECKING:
     from ._config import IdempotencyConfig, ToolOptions
-    from ._guard import _Call
 
 T = TypeVar("T")
-
-_ON_APPROVAL = ("raise", "report")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,89 +51,6 @@ class Gates:
 
     plan: _gating.Plan
     on_approval: str
-
-
-# -- checking options where they are given ---------------------------------------------
-
-
-def _check_approval(where: str, value: Any) -> None:
-    if value is not None and not isinstance(value, bool) and not callable(value):
-        raise TypeError(
-            f"{where}: approval must be True, False or a callable (args, ctx) -> bool, "
-            f"not {type(value).__name__}"
-        )
-
-
-def _check_spend(where: str, value: Any) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(
-            f"{where}: spend must be a callable (args) -> Money, not {type(value).__name__}"
-        )
-
-
-def _check_caps(where: str, value: Any) -> tuple[SpendCap, ...] | None:
-    if value is None:
-        return None
-    caps = (value,) if isinstance(value, SpendCap) else value
-    if isinstance(caps, str | bytes) or not hasattr(caps, "__iter__"):
-        raise TypeError(f"{where}: caps must be a SpendCap or a list of them, not {value!r}")
-    caps = tuple(caps)
-    for cap in caps:
-        if not isinstance(cap, SpendCap):
-            raise TypeError(f"{where}: caps must hold SpendCap objects, not {cap!r}")
-    labels = [c.label for c in caps]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"{where}: two caps share a name {labels}; give them name=...")
-    return caps
-
-
-def _check_common(where: str, on_approval: Any, wait_s: Any) -> None:
-    if on_approval is not None and on_approval not in _ON_APPROVAL:
-        raise ValueError(f"{where}: on_approval must be 'raise' or 'report', not {on_approval!r}")
-    if wait_s is not None and (
-        isinstance(wait_s, bool)
-        or not isinstance(wait_s, int | float)
-        or math.isnan(wait_s)
-        or wait_s < 0
-    ):
-        raise ValueError(f"{where}: approval_wait_s must be 0 or more seconds, not {wait_s!r}")
-
-
-def check_tool_options(options: ToolOptions) -> None:
-    """Called by `ToolOptions.__post_init__`."""
-    where = "tool options"
-    _check_approval(where, options.approval)
-    _check_spend(where, options.spend)
-    caps = _check_caps(where, options.caps)
-    if caps is not None:
-        object.__setattr__(options, "caps", caps)
-    _check_common(where, options.on_approval, options.approval_wait_s)
-    redact = options.redact
-    if redact is not None:
-        if isinstance(redact, str) or not all(isinstance(n, str) for n in redact):
-            raise TypeError(f"{where}: redact must be a list of argument names, not {redact!r}")
-        object.__setattr__(options, "redact", tuple(redact))
-
-
-def check_crew_options(config: IdempotencyConfig) -> None:
-    """Called by `IdempotencyConfig.__post_init__`."""
-    where = "IdempotencyConfig"
-    for field in ("approval", "spend"):
-        value = getattr(config, field)
-        if value is None:
-            continue
-        if not isinstance(value, Mapping):
-            raise TypeError(f"{where}: {field} must map tool names to the option, not {value!r}")
-        for name, option in value.items():
-            if not isinstance(name, str):
-                raise TypeError(f"{where}: {field} keys are tool names, not {name!r}")
-            (_check_approval if field == "approval" else _check_spend)(
-                f"{where}.{field}[{name!r}]", option
-            )
-    caps = _check_caps(where, config.caps)
-    if caps is not None:
-        object.__setattr__(config, "caps", caps)
-    _check_common(where, config.on_approval, config.approval_wait_s)
 
 
 # -- one call ---------------------------------------------------------------------------
@@ -163,6 +78,7 @@ def _by_tool(name: str, tool_name: str, levels: list[Any]) -> Any:
 def plan(
     options: ToolOptions,
     crew_config: IdempotencyConfig | None,
+    process_config: IdempotencyConfig | None,
     tool_name: str,
     key: str,
     fingerprint: str,
@@ -171,7 +87,6 @@ def plan(
 ) -> Gates | None:
     """The gates of one call, or None when it has none. A rule that cannot be evaluated
     refuses the call (TypeError): nothing was run."""
-    process_config = _config._process_config
     if (
         options.approval is None
         and options.spend is None
@@ -235,7 +150,6 @@ def plan(
                                    amount.currency, 0, 0, 0)  # fmt: skip
     if not needs_approval and (amount is None or not caps):
         return None
-    _listen()
     wait_s = _pick("approval_wait_s", options, levels)
     gated = _gating.Plan(
         tool=tool_name,
@@ -251,73 +165,25 @@ def plan(
     return Gates(gated, _pick("on_approval", options, levels) or "raise")
 
 
-def run(call: _Call, body: Callable[[], T]) -> T:
-    gates = call.gates
+def run(gates: Gates | None, backend: CacheBackend, body: Callable[[], T]) -> T:
     if gates is None:
         return body()
-    return _gating.run(call.settings.ledger.backend, gates.plan, body)
+    return _gating.run(backend, gates.plan, body)
 
 
-async def arun(call: _Call, body: Callable[[], Awaitable[T]]) -> T:
-    gates = call.gates
+async def arun(gates: Gates | None, backend: CacheBackend, body: Callable[[], Awaitable[T]]) -> T:
     if gates is None:
         return await body()
-    return await _gating.arun(call.settings.ledger.backend, gates.plan, body)
+    return await _gating.arun(backend, gates.plan, body)
 
 
-def refused(call: _Call, cause: Exception) -> BaseException:
+def refused(gates: Gates | None, cause: Exception) -> BaseException:
     """What the guard raises for a body that did not start because a gate refused it:
     `ApprovalRequired` stops the kickoff (unless on_approval="report"); the others are
     tool errors the agent sees."""
-    gates = call.gates
     if gates is None or not isinstance(cause, ApprovalRequired):
         return cause
-    from . import _guard
-
-    if gates.on_approval == "raise" and _guard._depth.get() > 0:
-        return cast(Any, _guard.Halt)(cause)  # a Halt carries any error out to the kickoff
-    return cause
-
-
-# -- events on crewAI's bus -------------------------------------------------------------
-
-_listening = False
-
-
-def _listen() -> None:
-    global _listening
-    if not _listening:
-        _listening = True
-        _approvals.add_listener(_to_bus)
-
-
-def _to_bus(kind: str, request: _approvals.ApprovalRequest) -> None:
-    from crewai.events.event_bus import crewai_event_bus
-
-    from .approval_events import ApprovalDecidedEvent, ApprovalRequestedEvent
-
-    common: dict[str, Any] = {
-        "request_id": request.id,
-        "key": request.key,
-        "tool_name": request.tool,
-        "state": request.state.value,
-        "summary": request.summary,
-        "reason": request.reason,
-        "crew_key": request.crew,
-        "task_key": request.task,
-        "kickoff_id": request.kickoff,
-        "round": request.round,
-    }
-    if kind == "created":
-        event: Any = ApprovalRequestedEvent(**common)
-    else:
-        event = ApprovalDecidedEvent(
-            **common,
-            decided_by=request.decided_by,
-            decision_reason=request.decision_reason,
-            grant_expires_at=request.grant_expires_at,
-        )
-    crewai_event_bus.emit(request, event)
+    return halting(cause) if gates.on_approval == "raise" else cause
 
 
 __all__ = [
@@ -327,7 +193,5 @@ __all__ = [
     "Money",
     "SpendCap",
     "SpendCapExceeded",
-    "check_crew_options",
-    "check_tool_options",
     "plan",
 ]

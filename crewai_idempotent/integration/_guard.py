@@ -4,9 +4,8 @@ It sits at the innermost callable (a `Tool`'s function, a class tool's `_run`/`_
 so every crewai path reaches it: ReAct, native function calling (parallel calls too),
 the step executor, LiteAgent, flow tool actions, adapters and direct `tool.run()`.
 
-crewai is imported inside functions: `install()` runs while crewai's own import is
-finishing, possibly triggered by `import crewai_idempotent.integration.events`, and must
-not need a module of ours that is still half-initialised.
+Loaded with the first flagged tool (see `_tools`), when crewai has finished importing:
+the ledger, the gates, tracing and crewai's event bus load with it, never at activation.
 """
 
 from __future__ import annotations
@@ -14,16 +13,19 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-import weakref
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
+
+from crewai.events.event_bus import crewai_event_bus
+from crewai.utilities.crew.crew_context import get_crew_context
 
 from .. import _otel
 from .._errors import (
     BodyFailed,
     IdempotencyKeyConflict,
+    LedgerConfigurationError,
     LedgerUnavailable,
     OperationInProgress,
     OutcomeUncertain,
@@ -32,131 +34,22 @@ from .._errors import (
 from .._keys import validate_key
 from .._ledger import Outcome, current_claim
 from .._record import Record, Status
-from . import _compat, _gates
+from . import _compat, _config, _gates, approval_events
+from ._call import KEY_PARAMETER, Scope, config_of, crews, halting
+from ._call import scope as _scope
 from ._config import IdempotencyConfig, Settings, ToolOptions, resolve
-from ._keying import KEY_PARAMETER, KeyContext, derive_key
-
-if TYPE_CHECKING:
-    from .events import IdempotencyEvent
+from ._keying import KeyContext, derive_key
+from .events import (
+    IdempotencyClaimEvent,
+    IdempotencyConflictEvent,
+    IdempotencyEvent,
+    IdempotencyReplayEvent,
+    IdempotencyUncertainEvent,
+)
 
 log = logging.getLogger("crewai_idempotent")
 
-STASH = "_crewai_idempotency"  # key in a pydantic model's private-attribute dict
-
-
-@dataclass(frozen=True, slots=True)
-class Scope:
-    """What crewai is running around a tool call (crewai keeps no ContextVar for these)."""
-
-    task: Any = None
-    agent: Any = None
-    crew: Any = None
-
-
-_scope: ContextVar[Scope | None] = ContextVar("crewai_idempotent_scope", default=None)
-_depth: ContextVar[int] = ContextVar("crewai_idempotent_boundaries", default=0)
 _running: ContextVar[frozenset[str]] = ContextVar("crewai_idempotent_running", default=frozenset())
-
-# Crews by id, for calls whose scope does not name the crew (crewai's own crew context
-# carries only the id and key).
-crews: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-
-
-class Halt(BaseException):
-    """Carries an `OutcomeUncertain` through crewai to the kickoff.
-
-    crewai turns every `Exception` a tool raises into an observation for the model (and
-    the ReAct path retries it), so an uncertain outcome raised as itself would only
-    become text the model can talk its way past. A `BaseException` passes those
-    `except Exception` layers, skips the agent and guardrail retries, and is turned back
-    into the `OutcomeUncertain` at the outermost task or kickoff (`boundary`).
-    """
-
-    def __init__(self, error: OutcomeUncertain) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-# -- private per-object settings -------------------------------------------------------
-
-
-def stash(model: Any, value: Any) -> None:
-    private = model.__pydantic_private__
-    if private is None:
-        object.__setattr__(model, "__pydantic_private__", {STASH: value})
-    else:
-        private[STASH] = value
-
-
-def stashed(model: Any) -> Any:
-    private = getattr(model, "__pydantic_private__", None)
-    return private.get(STASH) if private else None
-
-
-def options_of(tool: Any) -> ToolOptions | None:
-    options = stashed(tool)
-    return options if isinstance(options, ToolOptions) else None
-
-
-# -- kickoff boundaries ----------------------------------------------------------------
-
-
-def boundary(fn: Callable[..., Any], scope: Scope | None, args: Any, kwargs: Any) -> Any:
-    from crewai.events.event_context import get_current_parent_id
-
-    depth = _depth.get()
-    depth_token = _depth.set(depth + 1)
-    scope_token = _scope.set(scope) if scope is not None else None
-    open_scope = get_current_parent_id()
-    try:
-        return fn(*args, **kwargs)
-    except Halt as halt:
-        if depth == 0:
-            _abandon_event_scopes(open_scope)
-            raise _unwrap(halt) from halt.error.__cause__
-        raise
-    finally:
-        if scope_token is not None:
-            _scope.reset(scope_token)
-        _depth.reset(depth_token)
-
-
-async def aboundary(
-    fn: Callable[..., Awaitable[Any]], scope: Scope | None, args: Any, kwargs: Any
-) -> Any:
-    from crewai.events.event_context import get_current_parent_id
-
-    depth = _depth.get()
-    depth_token = _depth.set(depth + 1)
-    scope_token = _scope.set(scope) if scope is not None else None
-    open_scope = get_current_parent_id()
-    try:
-        return await fn(*args, **kwargs)
-    except Halt as halt:
-        if depth == 0:
-            _abandon_event_scopes(open_scope)
-            raise _unwrap(halt) from halt.error.__cause__
-        raise
-    finally:
-        if scope_token is not None:
-            _scope.reset(scope_token)
-        _depth.reset(depth_token)
-
-
-def _unwrap(halt: Halt) -> OutcomeUncertain:
-    error = halt.error.with_traceback(halt.__traceback__)  # from the tool up to here
-    error.__suppress_context__ = True
-    return error
-
-
-def _abandon_event_scopes(open_scope: str | None) -> None:
-    """Drop the event scopes (task, agent, tool started...) the Halt left open, so that
-    the crew's own failure event closes the crew's scope instead of warning about a
-    mismatch. No events are invented; the uncertain event says what happened."""
-    from crewai.events.event_context import get_current_parent_id, pop_event_scope
-
-    while get_current_parent_id() not in (None, open_scope):
-        pop_event_scope()
 
 
 # -- one guarded callable --------------------------------------------------------------
@@ -219,8 +112,6 @@ def _task_key(task: Any) -> str | None:
 
 
 def _crew_of(scope: Scope | None) -> Any:
-    from crewai.utilities.crew.crew_context import get_crew_context
-
     if scope is not None and scope.crew is not None and not isinstance(scope.crew, str):
         return scope.crew
     context = get_crew_context()
@@ -230,8 +121,6 @@ def _crew_of(scope: Scope | None) -> Any:
 def _prepare(
     target: Target, options: ToolOptions, tool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> _Call | None:
-    from crewai.utilities.crew.crew_context import get_crew_context
-
     name = target.tool_name or _compat.tool_name(tool.name)
     try:
         arguments = target.arguments(args, kwargs)
@@ -245,10 +134,15 @@ def _prepare(
         ) from exc
     scope = _scope.get()
     crew = _crew_of(scope)
-    crew_config = stashed(crew) if crew is not None else None
+    crew_config = config_of(crew) if crew is not None else None
     if not isinstance(crew_config, IdempotencyConfig):
         crew_config = None
-    settings = resolve(options, crew_config)
+    try:
+        settings = resolve(options, crew_config)
+    except LedgerConfigurationError as exc:
+        # Inside a kickoff crewai would turn it into text for the model: a Halt carries it
+        # out to the kickoff instead, as it does an uncertain outcome (its cause kept).
+        raise halting(exc)  # noqa: B904 - the error itself, or the Halt carrying it
     explicit = kwargs.get(KEY_PARAMETER) if target.takes_key else None
     if explicit is not None:
         key = validate_key(explicit)
@@ -268,7 +162,10 @@ def _prepare(
         name, key, crew.key if crew is not None else None,
         _task_key(scope.task if scope is not None else None), _compat.execution_uuid(),
     )  # fmt: skip
-    gates = _gates.plan(options, crew_config, name, key, digest, arguments, gate_ctx)
+    process = _config.process_config()
+    gates = _gates.plan(options, crew_config, process, name, key, digest, arguments, gate_ctx)
+    if gates is not None:
+        approval_events.listen()
     if target.takes_key:
         kwargs[KEY_PARAMETER] = key
     return _Call(tool, name, key, digest, arguments, settings, scope, gates)
@@ -280,8 +177,6 @@ def _prepare(
 def _emit(
     event_type: type[IdempotencyEvent], call: _Call, record: Record | None, **fields: Any
 ) -> None:
-    from crewai.events.event_bus import crewai_event_bus
-
     try:
         scope = call.scope
         task = scope.task if scope is not None else None
@@ -308,24 +203,18 @@ def _emit(
 
 
 def _claimed(call: _Call) -> None:
-    from .events import IdempotencyClaimEvent
-
     record = current_claim()  # set by the ledger around the body it is about to run
     takeover = record is not None and record.token > 1
     _emit(IdempotencyClaimEvent, call, record, takeover=takeover)
 
 
 def _replayed(call: _Call, outcome: Outcome[Any]) -> None:
-    from .events import IdempotencyReplayEvent
-
     history = outcome.record.history
     reconciled = bool(history) and history[-1].kind == "reconcile"
     _emit(IdempotencyReplayEvent, call, outcome.record, reconciled=reconciled)
 
 
 def _refused(call: _Call, exc: IdempotencyKeyConflict | OperationInProgress) -> None:
-    from .events import IdempotencyConflictEvent
-
     reason = "in_progress" if isinstance(exc, OperationInProgress) else "fingerprint_mismatch"
     record = getattr(exc, "record", None)
     _emit(IdempotencyConflictEvent, call, record, reason=reason, message=str(exc))
@@ -333,13 +222,9 @@ def _refused(call: _Call, exc: IdempotencyKeyConflict | OperationInProgress) -> 
 
 def _uncertain(call: _Call, error: OutcomeUncertain) -> BaseException:
     """The exception to raise for an uncertain outcome: a Halt inside a kickoff."""
-    from .events import IdempotencyUncertainEvent
-
     halt = call.settings.on_uncertain == "raise"
     _emit(IdempotencyUncertainEvent, call, error.record, reason=error.reason, halted=halt)
-    if halt and _depth.get() > 0:
-        return Halt(error)
-    return error
+    return halting(error) if halt else error
 
 
 def _failed(call: _Call, exc: Exception) -> BaseException:
@@ -353,7 +238,7 @@ def _failed(call: _Call, exc: Exception) -> BaseException:
         cause = exc.__cause__
         assert isinstance(cause, Exception)  # the ledger wraps only Exceptions
         if exc.status != Status.UNCERTAIN:
-            return _gates.refused(call, cause)
+            return _gates.refused(call.gates, cause)
         # The body said (or showed) that its effect may have happened.
         uncertain = OutcomeUncertain(call.key, exc.record, exc.reason)
         uncertain.__cause__ = cause
@@ -454,7 +339,7 @@ def call(
         observation.claimed()
         token = _running.set(_running.get() | {prepared.key})
         try:
-            return _gates.run(prepared, lambda: _checked(fn(*args, **kwargs)))
+            return _gates.run(prepared.gates, ledger.backend, lambda: _checked(fn(*args, **kwargs)))
         finally:
             _running.reset(token)
             observation.returned()
@@ -500,7 +385,7 @@ async def acall(
             async def checked() -> Any:  # a returned ToolFailure counts as failed at the gates
                 return _checked(await fn(*args, **kwargs))
 
-            return await _gates.arun(prepared, checked)
+            return await _gates.arun(prepared.gates, ledger.backend, checked)
         finally:
             _running.reset(token)
             observation.returned()

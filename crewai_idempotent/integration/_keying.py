@@ -12,7 +12,6 @@ from .._keys import validate_key
 
 # Template fields that name where the call runs rather than one of its arguments.
 CONTEXT_FIELDS = ("tool", "crew", "task", "kickoff", "fingerprint")
-KEY_PARAMETER = "idempotency_key"
 
 
 @dataclass(frozen=True, slots=True)

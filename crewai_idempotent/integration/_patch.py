@@ -17,9 +17,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import _compat
+from _crewai_idempotent_autoload import remove_import_hook, when_imported
+
+from . import _call, _compat, _tools
 from ._compat import UnsupportedCrewAIVersion
-from ._config import OPTION_NAMES, check_crew_ledger, merge_crew_settings
 
 # The releases the matrix in noxfile.py runs (docs/compatibility.md): crewai >=1.10.0, <1.16.
 SUPPORTED = ((1, 10, 0), (1, 16, 0))
@@ -99,8 +100,6 @@ def install() -> None:
         else:
             _install_untested(version)
         _installed = True
-    from .._autoload import remove_import_hook
-
     remove_import_hook()  # crewai is loaded: a hook waiting for it has nothing left to do
 
 
@@ -153,15 +152,19 @@ def _natively_guarded() -> bool:
 
 
 def uninstall() -> None:
-    """Restore every attribute `install()` changed. Tools flagged while installed keep
-    their guarded function (they were declared idempotent); classes do not."""
+    """Restore every attribute `install()` changed, and drop a pending activation (the
+    start-up hook or `import crewai_idempotent` waiting for crewai), so that a later
+    `import crewai` leaves crewai alone. Tools flagged while installed keep their guarded
+    function (they were declared idempotent); classes do not."""
     global _installed
     with _lock:
         _undo()
         _installed = False
+        remove_import_hook()
 
 
 def _undo() -> None:
+    remove_import_hook(_LITE_AGENT)
     while _patches:
         owner, name, previous = _patches.pop()
         if previous is _ABSENT:
@@ -171,42 +174,52 @@ def _undo() -> None:
             setattr(owner, name, previous)
 
 
+# Where an uncertain outcome stops a kickoff, and what a tool call runs inside.
+def _task_scope(task: Any, agent: Any = None, *_: Any, **kw: Any) -> _call.Scope:
+    agent = agent or kw.get("agent") or task.agent
+    return _call.Scope(task=task, agent=agent, crew=getattr(agent, "crew", None))
+
+
+def _agent_scope(agent: Any, *_: Any, **__: Any) -> _call.Scope:
+    return _call.Scope(agent=agent, crew=getattr(agent, "crew", None))
+
+
+# `import crewai` does not import LiteAgent's module (deprecated, tens of ms): its kickoff
+# is patched when something imports it, so activation does not pay for it.
+_LITE_AGENT = "crewai.lite_agent"
+
+
 def _install() -> None:
     from crewai.agent.core import Agent
-    from crewai.lite_agent import LiteAgent
     from crewai.task import Task
-
-    from . import _guard
 
     _patch_tool_options()
     _patch_tool_classes()
     _patch_crew_options()
     _patch_crew_copy()
 
-    # Where an uncertain outcome stops a kickoff, and what a tool call runs inside.
-    def task_scope(task: Any, agent: Any = None, *_: Any, **kw: Any) -> _guard.Scope:
-        agent = agent or kw.get("agent") or task.agent
-        return _guard.Scope(task=task, agent=agent, crew=getattr(agent, "crew", None))
-
-    def agent_scope(agent: Any, *_: Any, **__: Any) -> _guard.Scope:
-        return _guard.Scope(agent=agent, crew=getattr(agent, "crew", None))
-
-    _set(Task, "_execute_core", _boundary(Task._execute_core, task_scope))
-    _set(Task, "_aexecute_core", _aboundary(Task._aexecute_core, task_scope))
-    _set(Agent, "kickoff", _boundary(Agent.kickoff, agent_scope))
-    _set(Agent, "kickoff_async", _aboundary(Agent.kickoff_async, agent_scope))
-    _set(LiteAgent, "kickoff", _boundary(LiteAgent.kickoff, agent_scope))
+    _set(Task, "_execute_core", _boundary(Task._execute_core, _task_scope))
+    _set(Task, "_aexecute_core", _aboundary(Task._aexecute_core, _task_scope))
+    _set(Agent, "kickoff", _boundary(Agent.kickoff, _agent_scope))
+    _set(Agent, "kickoff_async", _aboundary(Agent.kickoff_async, _agent_scope))
+    when_imported(_LITE_AGENT, _patch_lite_agent)
 
     # What differs between the supported releases (kickoff ids, context in threads...).
     _compat.install(_set)
+
+
+def _patch_lite_agent() -> None:
+    from crewai.lite_agent import LiteAgent
+
+    with _lock:
+        if _installed or _patches:  # installed, or installing now: not after uninstall()
+            _set(LiteAgent, "kickoff", _boundary(LiteAgent.kickoff, _agent_scope))
 
 
 def _patch_tool_options() -> None:
     import crewai.tools as tools_module
     import crewai.tools.base_tool as base_tool_module
     from crewai.tools.base_tool import BaseTool
-
-    from . import _tools
 
     # @tool(..., idempotent=True, idempotency_key=...)
     original_tool = base_tool_module.tool
@@ -216,22 +229,20 @@ def _patch_tool_options() -> None:
         _set(tools_module, "tool", decorator)
 
     # MyTool(idempotent=True, ...) and class defaults `idempotent: bool = True`
-    _set(BaseTool, "__init__", _tool_init(BaseTool.__init__))
+    _set(BaseTool, "__init__", _tools.init_taking_options(BaseTool.__init__))
 
 
 def _patch_tool_classes() -> None:
     """Guard `_run`/`_arun` of every class tool, now and when defined later."""
     from crewai.tools.base_tool import BaseTool
 
-    from . import _tools
-
     def guard_class(cls: type) -> None:
         if not _tools.wants_method_guards(cls):
             return
-        for name in _tools.METHODS:
+        for name in _call.METHODS:
             method = cls.__dict__.get(name)
             # Plain functions only: a staticmethod or other descriptor is left alone.
-            if inspect.isfunction(method) and not hasattr(method, _tools.GUARD_MARK):
+            if inspect.isfunction(method) and not hasattr(method, _call.GUARD_MARK):
                 _set(cls, name, _tools.guard_method(method))
 
     def walk(cls: type) -> None:
@@ -257,29 +268,13 @@ def _patch_crew_copy() -> None:
     _set(Crew, "copy", _crew_copy(Crew.copy))
 
 
-def _tool_init(original: Callable[..., None]) -> Callable[..., None]:
-    from . import _guard, _tools
-
-    @functools.wraps(original)
-    def init(self: Any, /, **data: Any) -> None:
-        fields = type(self).model_fields
-        given = {k: data.pop(k) for k in OPTION_NAMES if k in data and k not in fields}
-        original(self, **data)
-        options = _tools.options_from_instance(self, given)
-        if options is not None and (options.idempotent or _guard.options_of(self) is not None):
-            _tools.flag(self, options)
-
-    # Tells pydantic this is still BaseModel's own __init__: validating a dict into a
-    # tool model keeps bypassing __init__ exactly as before.
-    init.__pydantic_base_init__ = True  # type: ignore[attr-defined]
-    return init
-
-
 def _crew_init(original: Callable[..., None]) -> Callable[..., None]:
-    from . import _guard
-
     @functools.wraps(original)
     def init(self: Any, /, **data: Any) -> None:
+        # Deliberately late: the options and the ledgers load with the first crew, not
+        # inside `import crewai` (issue 14's activation budget).
+        from ._config import check_crew_ledger, merge_crew_settings
+
         fields = type(self).model_fields
         idempotency = data.pop("idempotency", None) if "idempotency" not in fields else None
         cache_backend = data.pop("cache_backend", None) if "cache_backend" not in fields else None
@@ -287,43 +282,37 @@ def _crew_init(original: Callable[..., None]) -> Callable[..., None]:
         check_crew_ledger(config)
         original(self, **data)
         if config is not None:
-            _guard.stash(self, config)
-            _guard.crews[str(self.id)] = self
+            _call.stash_config(self, config)
+            _call.crews[str(self.id)] = self
 
     init.__pydantic_base_init__ = True  # type: ignore[attr-defined]
     return init
 
 
 def _crew_copy(original: Callable[..., Any]) -> Callable[..., Any]:
-    from . import _guard
-
     @functools.wraps(original)
     def copy(self: Any) -> Any:
         duplicate = original(self)
-        config = _guard.stashed(self)
+        config = _call.config_of(self)
         if config is not None:
-            _guard.stash(duplicate, config)
-            _guard.crews[str(duplicate.id)] = duplicate
+            _call.stash_config(duplicate, config)
+            _call.crews[str(duplicate.id)] = duplicate
         return duplicate
 
     return copy
 
 
 def _boundary(original: Callable[..., Any], scope: Callable[..., Any]) -> Callable[..., Any]:
-    from . import _guard
-
     @functools.wraps(original)
     def at_boundary(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return _guard.boundary(original, scope(self, *args, **kwargs), (self, *args), kwargs)
+        return _call.boundary(original, scope(self, *args, **kwargs), (self, *args), kwargs)
 
     return at_boundary
 
 
 def _aboundary(original: Callable[..., Any], scope: Callable[..., Any]) -> Callable[..., Any]:
-    from . import _guard
-
     @functools.wraps(original)
     async def at_boundary(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return await _guard.aboundary(original, scope(self, *args, **kwargs), (self, *args), kwargs)
+        return await _call.aboundary(original, scope(self, *args, **kwargs), (self, *args), kwargs)
 
     return at_boundary

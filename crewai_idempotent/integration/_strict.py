@@ -17,9 +17,8 @@ from typing import Any, Literal
 from crewai.tools.base_tool import BaseTool
 
 from .._errors import GuardInactive
-from . import _guard
+from ._call import GUARD_MARK, METHODS, options_of
 from ._patch import install, is_installed
-from ._tools import GUARD_MARK, METHODS
 
 _CHECKED = "__crewai_idempotent_checked__"
 
@@ -36,7 +35,7 @@ def _inactive(what: str) -> GuardInactive:
 
 def _refuse_unguarded(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     def check(self: Any) -> None:
-        options = _guard.options_of(self)
+        options = options_of(self)
         guarded = hasattr(getattr(type(self), name, None), GUARD_MARK)
         if not (is_installed() and guarded and options is not None and options.idempotent):
             raise _inactive(f"tool {getattr(self, 'name', type(self).__name__)!r}")

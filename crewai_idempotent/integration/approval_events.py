@@ -19,6 +19,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from crewai.events.base_events import BaseEvent
+from crewai.events.event_bus import crewai_event_bus
+
+from .. import _approvals
 
 
 class ApprovalEvent(BaseEvent):
@@ -50,4 +53,41 @@ class ApprovalDecidedEvent(ApprovalEvent):
     grant_expires_at: float | None = None
 
 
-__all__ = ["ApprovalDecidedEvent", "ApprovalEvent", "ApprovalRequestedEvent"]
+_listening = False
+
+
+def listen() -> None:
+    """Put this process's approval requests and decisions on crewai's bus (from the first
+    gated call on; the guard calls this)."""
+    global _listening
+    if not _listening:
+        _listening = True
+        _approvals.add_listener(_to_bus)
+
+
+def _to_bus(kind: str, request: _approvals.ApprovalRequest) -> None:
+    common: dict[str, Any] = {
+        "request_id": request.id,
+        "key": request.key,
+        "tool_name": request.tool,
+        "state": request.state.value,
+        "summary": request.summary,
+        "reason": request.reason,
+        "crew_key": request.crew,
+        "task_key": request.task,
+        "kickoff_id": request.kickoff,
+        "round": request.round,
+    }
+    if kind == "created":
+        event: ApprovalEvent = ApprovalRequestedEvent(**common)
+    else:
+        event = ApprovalDecidedEvent(
+            **common,
+            decided_by=request.decided_by,
+            decision_reason=request.decision_reason,
+            grant_expires_at=request.grant_expires_at,
+        )
+    crewai_event_bus.emit(request, event)
+
+
+__all__ = ["ApprovalDecidedEvent", "ApprovalEvent", "ApprovalRequestedEvent", "listen"]

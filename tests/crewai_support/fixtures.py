@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -10,11 +11,24 @@ from typing import Any
 
 import pytest
 
-from crewai_idempotent.integration import _config
+from crewai_idempotent.integration import _config, _ledgers
 
 from .provider import FakeProvider
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _forget_ledgers() -> None:
+    """No process default; the ledgers opened from URLs and default paths closed and
+    forgotten, and the "which ledger" announcements said again."""
+    _config.configure(None)
+    with _ledgers._lock:
+        for backend in [*_ledgers.url_backends.values(), *_ledgers.default_backends.values()]:
+            with contextlib.suppress(Exception):  # closing is best effort here
+                backend.close()
+        _ledgers.url_backends.clear()
+        _ledgers.default_backends.clear()
+        _ledgers.announced.clear()
 
 
 @pytest.fixture
@@ -26,9 +40,9 @@ def isolated_crewai(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     # crewai's memory storage would read CREWAI_STORAGE_DIR as a path relative to cwd.
     monkeypatch.delenv("CREWAI_STORAGE_DIR", raising=False)
     monkeypatch.delenv("CREWAI_IDEMPOTENCY_URL", raising=False)
-    _config.reset_for_tests()
+    _forget_ledgers()
     yield data
-    _config.reset_for_tests()
+    _forget_ledgers()
 
 
 @pytest.fixture(params=[False, True], ids=["react", "native"])

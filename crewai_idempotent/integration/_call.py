@@ -1,0 +1,175 @@
+"""What a guarded call runs inside, shared by the patches, the guard and the gates.
+
+- The kickoff boundary (`boundary`/`aboundary`, installed around tasks and agent
+  kickoffs): how deep the call is (`depth`) and what crewai is running (`scope`).
+- `Halt`, which carries an error through crewai out to the outermost boundary.
+- The per-object stash: a tool's options and a crew's config, kept on the pydantic model.
+- The marks of a guarded callable, and the key parameter its signature hides.
+
+Light on purpose: `install()` loads this module inside `import crewai` (the activation
+budget of issue 14), so it imports nothing of ours that reaches the ledger. crewai is
+imported inside functions: this module is loaded before crewai has finished importing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._config import IdempotencyConfig, ToolOptions
+
+KEY_PARAMETER = "idempotency_key"  # a body may take its derived key under this name
+GUARD_MARK = "__crewai_idempotent_guard__"  # on a guarded function: the function it guards
+METHODS = ("_run", "_arun")  # the bodies of a class tool
+
+# Keys in a pydantic model's private-attribute dict: a tool's options, a crew's config.
+TOOL_STASH = "_crewai_idempotency"
+CREW_STASH = "_crewai_idempotency_crew"
+
+
+class Scope:
+    """What crewai is running around a tool call (crewai keeps no ContextVar for these).
+
+    A plain class rather than a dataclass: building one costs a few hundred microseconds
+    of the activation budget."""
+
+    __slots__ = ("agent", "crew", "task")
+
+    def __init__(self, task: Any = None, agent: Any = None, crew: Any = None) -> None:
+        self.task = task
+        self.agent = agent
+        self.crew = crew
+
+
+scope: ContextVar[Scope | None] = ContextVar("crewai_idempotent_scope", default=None)
+depth: ContextVar[int] = ContextVar("crewai_idempotent_boundaries", default=0)
+
+# Crews by id, for calls whose scope does not name the crew (crewai's own crew context
+# carries only the id and key).
+crews: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+class Halt(BaseException):
+    """Carries an error (an `OutcomeUncertain`, a pending approval, a bad ledger setting)
+    through crewai to the kickoff.
+
+    crewai turns every `Exception` a tool raises into an observation for the model (and
+    the ReAct path retries it), so an uncertain outcome raised as itself would only
+    become text the model can talk its way past. A `BaseException` passes those
+    `except Exception` layers, skips the agent and guardrail retries, and is turned back
+    into the error at the outermost task or kickoff (`boundary`).
+    """
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def halting(error: Exception) -> BaseException:
+    """`error` wrapped in a Halt inside a kickoff, so it stops the kickoff; else itself."""
+    return Halt(error) if depth.get() > 0 else error
+
+
+def hide_key(signature: inspect.Signature) -> inspect.Signature:
+    """A guarded body's signature as crewai and the model see it: without the key."""
+    params = [p for p in signature.parameters.values() if p.name != KEY_PARAMETER]
+    return signature.replace(parameters=params)
+
+
+# -- private per-object settings -------------------------------------------------------
+
+
+def _stash(model: Any, name: str, value: Any) -> None:
+    private = model.__pydantic_private__
+    if private is None:
+        object.__setattr__(model, "__pydantic_private__", {name: value})
+    else:
+        private[name] = value
+
+
+def _stashed(model: Any, name: str) -> Any:
+    private = getattr(model, "__pydantic_private__", None)
+    return private.get(name) if private else None
+
+
+def stash_options(tool: Any, options: ToolOptions) -> None:
+    _stash(tool, TOOL_STASH, options)
+
+
+def options_of(tool: Any) -> ToolOptions | None:
+    """The options a tool was flagged with, or None: on every call of a class tool, so
+    this is a dict lookup and nothing more."""
+    return _stashed(tool, TOOL_STASH)
+
+
+def stash_config(crew: Any, config: IdempotencyConfig) -> None:
+    _stash(crew, CREW_STASH, config)
+
+
+def config_of(crew: Any) -> IdempotencyConfig | None:
+    return _stashed(crew, CREW_STASH)
+
+
+# -- kickoff boundaries ----------------------------------------------------------------
+
+
+def boundary(fn: Callable[..., Any], where: Scope | None, args: Any, kwargs: Any) -> Any:
+    from crewai.events.event_context import get_current_parent_id
+
+    level = depth.get()
+    depth_token = depth.set(level + 1)
+    scope_token = scope.set(where) if where is not None else None
+    open_scope = get_current_parent_id()
+    try:
+        return fn(*args, **kwargs)
+    except Halt as halt:
+        if level == 0:
+            _abandon_event_scopes(open_scope)
+            raise _unwrap(halt) from halt.error.__cause__
+        raise
+    finally:
+        if scope_token is not None:
+            scope.reset(scope_token)
+        depth.reset(depth_token)
+
+
+async def aboundary(
+    fn: Callable[..., Awaitable[Any]], where: Scope | None, args: Any, kwargs: Any
+) -> Any:
+    from crewai.events.event_context import get_current_parent_id
+
+    level = depth.get()
+    depth_token = depth.set(level + 1)
+    scope_token = scope.set(where) if where is not None else None
+    open_scope = get_current_parent_id()
+    try:
+        return await fn(*args, **kwargs)
+    except Halt as halt:
+        if level == 0:
+            _abandon_event_scopes(open_scope)
+            raise _unwrap(halt) from halt.error.__cause__
+        raise
+    finally:
+        if scope_token is not None:
+            scope.reset(scope_token)
+        depth.reset(depth_token)
+
+
+def _unwrap(halt: Halt) -> Exception:
+    error = halt.error.with_traceback(halt.__traceback__)  # from the tool up to here
+    error.__suppress_context__ = True
+    return error
+
+
+def _abandon_event_scopes(open_scope: str | None) -> None:
+    """Drop the event scopes (task, agent, tool started...) the Halt left open, so that
+    the crew's own failure event closes the crew's scope instead of warning about a
+    mismatch. No events are invented; the uncertain event says what happened."""
+    from crewai.events.event_context import get_current_parent_id, pop_event_scope
+
+    while get_current_parent_id() not in (None, open_scope):
+        pop_event_scope()
