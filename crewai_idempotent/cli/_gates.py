@@ -12,7 +12,7 @@ import click
 
 from .. import ApprovalRequest, Approvals, SpendLedger
 from .._approvals import ApprovalAlreadyDecided, ApprovalNotFound
-from .._ledger import _whoami
+from .._record import _whoami
 from ._output import duration, ledger_errors, safe, stamp
 from ._where import Where
 
