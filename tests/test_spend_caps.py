@@ -6,10 +6,11 @@ Effects are counted at the fake provider (tests/faults/provider.py), never in lo
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -203,60 +204,90 @@ def test_windows_follow_the_call() -> None:
 # -- sixteen processes against one cap -------------------------------------------------
 
 
-def _worker(
-    url: str, key: str, amount: int, limit: int, effects: Path, out: Path, gate: int
-) -> None:
-    backend = backend_from_url(url)
-    ledger = Ledger(backend, wait_s=30.0)
-    provider = Provider(effects)
-    os.read(gate, 1)  # everyone starts together
+class _Round(NamedTuple):
+    amounts: dict[str, int]  # one key per process, with the amount it asks to spend
+    limit: int
+    cap: str
+
+
+def _rounds(count: int, seed: int) -> list[_Round]:
+    rng = random.Random(seed)
+    return [
+        _Round(
+            {f"r{round_}-k{i}": rng.randint(1, 9) for i in range(PROCESSES)},
+            rng.randint(15, 45),  # some of the sixteen fit, some do not
+            f"race-{round_}",
+        )
+        for round_ in range(count)
+    ]
+
+
+def _worker(url: str, rounds: list[_Round], me: int, folder: Path, barrier: Any, gate: int) -> None:
+    """Play process `me` in every round; all sixteen start each round together."""
+    ledger = Ledger(backend_from_url(url), wait_s=30.0)
+    os.read(gate, 1)  # everyone is forked
     try:
-        _pay(ledger, provider, key, amount, [SpendCap(limit, "EUR", name=f"race-{out.name}")])
-        verdict = "ran"
-    except SpendCapExceeded:
-        verdict = "refused"
-    fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, f"{key} {amount} {verdict}\n".encode())
-    finally:
-        os.close(fd)
+        for number, round_ in enumerate(rounds):
+            key = list(round_.amounts)[me]
+            amount = round_.amounts[key]
+            provider = Provider(folder / f"effects-{number}")
+            barrier.wait(timeout=120)
+            try:
+                _pay(
+                    ledger, provider, key, amount, [SpendCap(round_.limit, "EUR", name=round_.cap)]
+                )
+                verdict = "ran"
+            except SpendCapExceeded:
+                verdict = "refused"
+            fd = os.open(folder / f"round-{number}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, f"{key} {amount} {verdict}\n".encode())
+            finally:
+                os.close(fd)
+    except BaseException:
+        barrier.abort()  # the others stop at the next round instead of waiting it out
+        raise
     ledger.close()
 
 
-def _race_round(url: str, tmp_path: Path, round_: int, rng: random.Random) -> None:
-    effects = tmp_path / f"effects-{round_}"
-    out = tmp_path / f"round-{round_}"
-    provider = Provider.create(effects)
-    amounts = {f"r{round_}-k{i}": rng.randint(1, 9) for i in range(PROCESSES)}
-    limit = rng.randint(15, 45)  # some of the sixteen fit, some do not
+def _race(url: str, tmp_path: Path, rounds: list[_Round]) -> None:
+    """Sixteen processes against one cap, round after round. They are forked once, not
+    once per round (a fork of the test process costs more than a round), and every
+    round starts in all of them at once: each round is a fresh race on a fresh cap."""
+    for number in range(len(rounds)):
+        Provider.create(tmp_path / f"effects-{number}")
+    barrier = multiprocessing.get_context("fork").Barrier(PROCESSES)
     codes = fork_together(
-        functools.partial(_worker, url, key, amount, limit, effects, out)
-        for key, amount in amounts.items()
+        functools.partial(_worker, url, rounds, me, tmp_path, barrier) for me in range(PROCESSES)
     )
     failed = [code for code in codes if code != 0]
     assert not failed, f"{len(failed)} worker(s) failed; see stderr"
+    backend = backend_from_url(url)
+    try:
+        budgets = SpendLedger(backend).budgets(settle=False)
+    finally:
+        backend.close()
+    for number, round_ in enumerate(rounds):
+        (budget,) = [b for b in budgets if b.cap == round_.cap]
+        _check_round(tmp_path, number, round_, budget)
 
+
+def _check_round(tmp_path: Path, number: int, round_: _Round, budget: Any) -> None:
+    amounts, limit = round_.amounts, round_.limit
     verdicts = {}
-    for line in out.read_text().splitlines():
+    for line in (tmp_path / f"round-{number}").read_text().splitlines():
         key, _amount, verdict = line.split()
         verdicts[key] = verdict
     assert verdicts.keys() == amounts.keys()
-    charged = [e["key"] for e in provider.effects()]
+    charged = [e["key"] for e in Provider(tmp_path / f"effects-{number}").effects()]
     assert len(charged) == len(set(charged)), "a call ran twice"
     ran = {k for k, v in verdicts.items() if v == "ran"}
     assert set(charged) == ran, "exactly the calls that were let through ran"
     total = sum(amounts[k] for k in charged)
-    assert total <= limit, f"round {round_}: {total} spent over the cap of {limit}"
+    assert total <= limit, f"round {number}: {total} spent over the cap of {limit}"
     for key in amounts.keys() - ran:  # every refusal was needed: it did not fit at the end
-        assert total + amounts[key] > limit, f"round {round_}: {key} was refused but fit"
-    backend = backend_from_url(url)
-    try:
-        (budget,) = [
-            b for b in SpendLedger(backend).budgets(settle=False) if b.cap == f"race-{out.name}"
-        ]
-        assert (budget.committed, budget.reserved) == (total, 0)
-    finally:
-        backend.close()
+        assert total + amounts[key] > limit, f"round {number}: {key} was refused but fit"
+    assert (budget.committed, budget.reserved) == (total, 0)
 
 
 @pytest.fixture(params=DURABLE_BACKENDS)
@@ -265,13 +296,9 @@ def backend_kind(request: pytest.FixtureRequest) -> str:
 
 
 def test_sixteen_processes_against_one_cap_quick(backend_url: str, tmp_path: Path) -> None:
-    rng = random.Random(11)
-    for round_ in range(3):
-        _race_round(backend_url, tmp_path, round_, rng)
+    _race(backend_url, tmp_path, _rounds(3, seed=11))
 
 
 @pytest.mark.slow
 def test_sixteen_processes_against_one_cap_every_round(backend_url: str, tmp_path: Path) -> None:
-    rng = random.Random(7)
-    for round_ in range(ROUNDS):
-        _race_round(backend_url, tmp_path, round_, rng)
+    _race(backend_url, tmp_path, _rounds(ROUNDS, seed=7))
