@@ -262,10 +262,26 @@ def execute_with_timeout(self: Any, task_prompt: str, task: Any, timeout: int) -
             raise RuntimeError(f"Task execution failed: {e!s}") from e
 
 
+def _names(fn: Any) -> set[str]:
+    """The global and attribute names a function's code (nested code included) uses: a
+    cheap first look, before reading its source costs a tokenizer run inside `import
+    crewai` (issue 14's activation budget)."""
+    names: set[str] = set()
+    codes = [getattr(fn, "__code__", None)]
+    while codes:
+        code = codes.pop()
+        if code is not None and hasattr(code, "co_names"):
+            names.update(code.co_names)
+            codes.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return names
+
+
 def _install_timeout_context(set_attr: SetAttr) -> None:
     from crewai.agent.core import Agent
 
     method = Agent.__dict__.get("_execute_with_timeout")
+    if method is not None and "copy_context" in _names(method):
+        return  # 1.11.0 and later run the agent in a copy of the context
     source = _source(method) if method is not None else None
     if source is not None and "copy_context" not in source and "ctx.run" not in source:
         set_attr(Agent, "_execute_with_timeout", execute_with_timeout)

@@ -18,6 +18,8 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel
+
 from _crewai_idempotent_autoload import OPTION_NAMES
 
 from ._call import GUARD_MARK, TOOL_STASH, hide_key, options_of
@@ -123,11 +125,17 @@ def guard_method(original: Callable[..., Any]) -> Any:
     return guarded
 
 
+# Where a model class keeps its fields: pydantic >= 2.10 in `__pydantic_fields__` (its
+# `model_fields` became a computed property, slower on every call), earlier releases in
+# `model_fields` itself.
+_FIELDS = "__pydantic_fields__" if hasattr(BaseModel, "__pydantic_fields__") else "model_fields"
+
+
 def _maybe_flagged(tool: Any) -> bool:
     """False for a tool that is certainly plain: no options stashed on it, and its class
     declares no `idempotent` field. Every class-tool call asks, so it reads two dicts."""
     private = tool.__pydantic_private__
-    return bool(private and TOOL_STASH in private) or "idempotent" in type(tool).__pydantic_fields__
+    return bool(private and TOOL_STASH in private) or "idempotent" in getattr(type(tool), _FIELDS)
 
 
 def _options_for_call(tool: Any) -> ToolOptions | None:
@@ -135,7 +143,7 @@ def _options_for_call(tool: Any) -> ToolOptions | None:
     options = options_of(tool)
     if options is not None:
         return options if options.idempotent else None
-    if "idempotent" not in type(tool).__pydantic_fields__:
+    if "idempotent" not in getattr(type(tool), _FIELDS):
         return None
     # Declared idempotent but never through __init__: pydantic's model_validate (a
     # checkpoint restore, a tool built from config) skips it. Flag it now.
