@@ -30,7 +30,12 @@ LAUNCHERS = ("exec", "fork")
 
 _forkserver = multiprocessing.get_context("forkserver")
 # "__main__" too: otherwise every child re-runs the main script (for pytest, its import).
-_forkserver.set_forkserver_preload(["__main__", "tests.faults.worker"])
+# The server backends' client libraries too (psycopg, redis-py), or every worker of a
+# server matrix imports them again; a preload that cannot be imported is skipped.
+_forkserver.set_forkserver_preload([
+    "__main__", "tests.faults.worker",
+    "crewai_idempotent.backends.postgres", "crewai_idempotent.backends.redis",
+])  # fmt: skip
 # multiprocessing is not thread-safe here: Process.start() polls every other child, and two
 # threads reading one child's exit status makes one of them see 255. Serialise those calls.
 _mp_lock = threading.Lock()
