@@ -18,8 +18,6 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
 from _crewai_idempotent_autoload import OPTION_NAMES
 
 from ._call import GUARD_MARK, TOOL_STASH, hide_key, options_of
@@ -100,7 +98,12 @@ def guard_method(original: Callable[..., Any]) -> Any:
 
         @functools.wraps(original)
         async def guarded_async(self: Any, *args: Any, **kwargs: Any) -> Any:
-            options = _options_for_call(self) if _maybe_flagged(self) else None
+            # Certainly plain (nothing stashed, no `idempotent` field): two dict lookups,
+            # inline, since every call of every class tool asks.
+            private = getattr(self, "__pydantic_private__", None)
+            if not (private and TOOL_STASH in private) and "idempotent" not in _fields(type(self)):
+                return await original(self, *args, **kwargs)
+            options = _options_for_call(self)
             if options is None:
                 return await original(self, *args, **kwargs)
             from . import _guard
@@ -112,7 +115,12 @@ def guard_method(original: Callable[..., Any]) -> Any:
 
         @functools.wraps(original)
         def guarded_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
-            options = _options_for_call(self) if _maybe_flagged(self) else None
+            # Certainly plain (nothing stashed, no `idempotent` field): two dict lookups,
+            # inline, since every call of every class tool asks.
+            private = getattr(self, "__pydantic_private__", None)
+            if not (private and TOOL_STASH in private) and "idempotent" not in _fields(type(self)):
+                return original(self, *args, **kwargs)
+            options = _options_for_call(self)
             if options is None:
                 return original(self, *args, **kwargs)
             from . import _guard
@@ -125,17 +133,11 @@ def guard_method(original: Callable[..., Any]) -> Any:
     return guarded
 
 
-# Where a model class keeps its fields: pydantic >= 2.10 in `__pydantic_fields__` (its
-# `model_fields` became a computed property, slower on every call), earlier releases in
-# `model_fields` itself.
-_FIELDS = "__pydantic_fields__" if hasattr(BaseModel, "__pydantic_fields__") else "model_fields"
-
-
-def _maybe_flagged(tool: Any) -> bool:
-    """False for a tool that is certainly plain: no options stashed on it, and its class
-    declares no `idempotent` field. Every class-tool call asks, so it reads two dicts."""
-    private = tool.__pydantic_private__
-    return bool(private and TOOL_STASH in private) or "idempotent" in getattr(type(tool), _FIELDS)
+def _fields(cls: Any) -> Any:
+    """A model class's fields. pydantic >= 2.10 keeps them in `__pydantic_fields__` (its
+    `model_fields` became a computed property, several times slower on every call);
+    earlier releases in `model_fields` itself."""
+    return getattr(cls, "__pydantic_fields__", None) or cls.model_fields
 
 
 def _options_for_call(tool: Any) -> ToolOptions | None:
@@ -143,7 +145,7 @@ def _options_for_call(tool: Any) -> ToolOptions | None:
     options = options_of(tool)
     if options is not None:
         return options if options.idempotent else None
-    if "idempotent" not in getattr(type(tool), _FIELDS):
+    if "idempotent" not in _fields(type(tool)):
         return None
     # Declared idempotent but never through __init__: pydantic's model_validate (a
     # checkpoint restore, a tool built from config) skips it. Flag it now.
