@@ -33,10 +33,11 @@ if TYPE_CHECKING:
     from ._approvals import ApprovalRequest, Approvals, ApprovalState
     from ._backend import CacheBackend
     from ._keys import fingerprint, validate_key
-    from ._ledger import Ledger, Outcome
+    from ._ledger import Ledger
     from ._reconcile import Absent, Found, Unknown
     from ._record import Event, Owner, Record, Status
     from ._spend import Money, SpendCap, SpendLedger
+    from ._steps import Outcome
     from .backends._url import backend_from_url
     from .backends.filelock import FileLockCacheBackend
     from .backends.memory import InMemoryCacheBackend
@@ -55,7 +56,7 @@ _LAZY = {
     "fingerprint": "._keys",
     "validate_key": "._keys",
     "Ledger": "._ledger",
-    "Outcome": "._ledger",
+    "Outcome": "._steps",
     "Absent": "._reconcile",
     "Found": "._reconcile",
     "Unknown": "._reconcile",

@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 from ._approvals import Approvals
 from ._backend import CacheBackend
-from ._errors import ApprovalRequired
-from ._ledger import classify_failure, current_claim
+from ._errors import ApprovalRequired, classify_failure
+from ._ledger import current_claim
 from ._record import Record, Status
 from ._spend import Money, SpendCap, SpendLedger, Where, Window, windows
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._keys import fingerprint as _fingerprint
-from .._ledger import Ledger, StalePolicy
-from .._policy import check_seconds
+from .._ledger import Ledger
+from .._policy import StalePolicy, check_seconds
 from .._spend import SpendCap
 from ._ledgers import URL_ENV, announce, backend_from, default_backend, env_backend, ledger_for
 

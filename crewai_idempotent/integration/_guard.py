@@ -32,8 +32,9 @@ from .._errors import (
     OutcomeUnknown,
 )
 from .._keys import validate_key
-from .._ledger import Outcome, current_claim
+from .._ledger import current_claim
 from .._record import Record, Status
+from .._steps import Outcome
 from . import _compat, _config, _gates, approval_events
 from ._call import KEY_PARAMETER, Scope, config_of, crews, halting
 from ._call import scope as _scope
