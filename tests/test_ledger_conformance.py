@@ -9,6 +9,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -36,6 +37,7 @@ from crewai_idempotent import (
 from crewai_idempotent._record import Event
 from tests.clock import ClockedBackend, ManualClock
 from tests.conftest import ALL_BACKENDS
+from tests.faults.provider import Provider as Effects
 
 # Every backend of conftest, plus SQLite in synchronous=CLAIMS (two connections per
 # thread: claims on a FULL one, the rest on a NORMAL one) unless a run picks its own.
@@ -53,27 +55,34 @@ class Receipt(pydantic.BaseModel):
 
 
 class Provider:
-    """A fake side effect: counts how often each key's body really ran."""
+    """Bodies whose runs are effects at the one fake provider (tests/faults/provider.py),
+    counted there: a test asks the provider, never the ledger, how often a body ran."""
 
-    def __init__(self) -> None:
-        self.calls: list[str] = []
+    def __init__(self, effects: Effects) -> None:
+        self.effects = effects
         self.lock = threading.Lock()
+        self.runs = 0
 
     def body(self, key: str, result: Any = ...) -> Callable[[], Any]:
         def run() -> Any:
             with self.lock:
-                self.calls.append(key)
-            return f"receipt-{key}-{len(self.calls)}" if result is ... else result
+                self.effects.charge(key)
+                self.runs += 1
+                number = self.runs
+            return f"receipt-{key}-{number}" if result is ... else result
 
         return run
 
     def count(self, key: str) -> int:
-        return self.calls.count(key)
+        return len(self.effects.effects(key))
+
+    def total(self) -> int:
+        return len(self.effects.effects())
 
 
 @pytest.fixture
-def provider() -> Provider:
-    return Provider()
+def provider(tmp_path: Path) -> Provider:
+    return Provider(Effects.create(tmp_path / "effects"))
 
 
 @pytest.fixture
@@ -684,7 +693,7 @@ def test_invalid_keys_are_refused_and_nothing_runs(
 ) -> None:
     with pytest.raises(InvalidIdempotencyKey):
         ledger.run(key, provider.body("k"))
-    assert provider.calls == []
+    assert provider.total() == 0
     assert ledger.records() == []
 
 
