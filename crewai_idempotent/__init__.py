@@ -7,8 +7,7 @@ backends and their client libraries, approvals, spend caps), so that `import cre
 the integration active pays for none of it.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from _crewai_idempotent_autoload import install_import_hook
 
@@ -27,6 +26,7 @@ from ._errors import (
     ResolutionRefused,
     SpendCapExceeded,
 )
+from ._lazy import lazy_attributes
 from .integration import install, uninstall
 
 if TYPE_CHECKING:
@@ -84,12 +84,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [
