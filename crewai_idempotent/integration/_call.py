@@ -13,9 +13,10 @@ imported inside functions: this module is loaded before crewai has finished impo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -117,7 +118,10 @@ def config_of(crew: Any) -> IdempotencyConfig | None:
 # -- kickoff boundaries ----------------------------------------------------------------
 
 
-def boundary(fn: Callable[..., Any], where: Scope | None, args: Any, kwargs: Any) -> Any:
+@contextlib.contextmanager
+def _entered(where: Scope | None) -> Iterator[None]:
+    """One level deeper into crewai (a task, an agent's kickoff); at the outermost level, a
+    Halt raised inside comes out as the error it carries."""
     from crewai.events.event_context import get_current_parent_id
 
     level = depth.get()
@@ -125,7 +129,7 @@ def boundary(fn: Callable[..., Any], where: Scope | None, args: Any, kwargs: Any
     scope_token = scope.set(where) if where is not None else None
     open_scope = get_current_parent_id()
     try:
-        return fn(*args, **kwargs)
+        yield
     except Halt as halt:
         if level == 0:
             _abandon_event_scopes(open_scope)
@@ -135,28 +139,18 @@ def boundary(fn: Callable[..., Any], where: Scope | None, args: Any, kwargs: Any
         if scope_token is not None:
             scope.reset(scope_token)
         depth.reset(depth_token)
+
+
+def boundary(fn: Callable[..., Any], where: Scope | None, args: Any, kwargs: Any) -> Any:
+    with _entered(where):
+        return fn(*args, **kwargs)
 
 
 async def aboundary(
     fn: Callable[..., Awaitable[Any]], where: Scope | None, args: Any, kwargs: Any
 ) -> Any:
-    from crewai.events.event_context import get_current_parent_id
-
-    level = depth.get()
-    depth_token = depth.set(level + 1)
-    scope_token = scope.set(where) if where is not None else None
-    open_scope = get_current_parent_id()
-    try:
+    with _entered(where):
         return await fn(*args, **kwargs)
-    except Halt as halt:
-        if level == 0:
-            _abandon_event_scopes(open_scope)
-            raise _unwrap(halt) from halt.error.__cause__
-        raise
-    finally:
-        if scope_token is not None:
-            scope.reset(scope_token)
-        depth.reset(depth_token)
 
 
 def _unwrap(halt: Halt) -> Exception:
