@@ -711,3 +711,15 @@ def test_doctor_names_the_default_ledger(tmp_path: Path, monkeypatch: pytest.Mon
     assert f"default: {default_ledger_path()}" in result.stdout
     assert "named after the current directory" in result.stdout
     assert not default_ledger_path().exists()
+
+
+@pytest.mark.parametrize("scheme", ["sqlite", "file"])
+def test_a_misspelt_option_is_named_before_the_ledger_is_looked_for(
+    tmp_path: Path, scheme: str
+) -> None:
+    # A missing ledger and a typo in the URL: the typo is what the operator must fix.
+    target = tmp_path / ("missing.db" if scheme == "sqlite" else "missing")
+    result = cli(f"{scheme}://{target}?synchronus=FULL", "ls")
+    assert result.exit_code == 2, result.output
+    assert "unknown option 'synchronus'" in result.output
+    assert not target.exists()

@@ -119,11 +119,20 @@ def test_memory_takes_no_options() -> None:
         backend_from_url("memory://?durable=yes")
 
 
-def test_a_missing_client_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delitem(sys.modules, "crewai_idempotent.backends.redis", raising=False)
-    monkeypatch.setitem(sys.modules, "redis", None)
-    with pytest.raises(LedgerConfigurationError, match=r"crewai-idempotent\[redis\]"):
-        backend_from_url("redis://:pw@localhost:6379/0")
+@pytest.mark.parametrize(
+    ("scheme", "library", "extra"),
+    [("redis", "redis", "redis"), ("postgresql", "psycopg", "postgres")],
+)
+def test_a_missing_client_library_names_the_extra_once(
+    monkeypatch: pytest.MonkeyPatch, scheme: str, library: str, extra: str
+) -> None:
+    monkeypatch.delitem(sys.modules, f"crewai_idempotent.backends.{extra}", raising=False)
+    monkeypatch.setitem(sys.modules, library, None)
+    with pytest.raises(LedgerConfigurationError) as caught:
+        backend_from_url(f"{scheme}://u:pw@localhost/0")
+    message = str(caught.value)
+    assert message.count(f"crewai-idempotent[{extra}]") == 1, message
+    assert "pw" not in message
 
 
 def test_redact() -> None:

@@ -44,10 +44,10 @@ def _backend_class(scheme: str, url: str) -> Any:
     except ImportError as exc:
         if extra is None:
             raise
-        raise LedgerConfigurationError(
-            f"{redact(url)}: this backend needs its client library ({exc}); install "
-            f"'crewai-idempotent[{extra}]'"
-        ) from exc
+        # The backend module's own ImportError names the extra to install.
+        extra_name = f"crewai-idempotent[{extra}]"
+        hint = "" if extra_name in str(exc) else f"; install '{extra_name}'"
+        raise LedgerConfigurationError(f"{redact(url)}: {exc}{hint}") from exc
 
 
 def backend_from_url(url: str) -> CacheBackend:

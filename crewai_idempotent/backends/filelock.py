@@ -94,7 +94,9 @@ class FileLockCacheBackend(CacheBackend):
     @staticmethod
     def path_from_url(url: str) -> Path:
         """The absolute folder a `file:` URL names, without opening it. A file URL has
-        no relative form (as browsers, curl and `Path.as_uri()` read it)."""
+        no relative form (as browsers, curl and `Path.as_uri()` read it). The options are
+        checked too: a misspelt one is refused before anyone looks for the folder."""
+        local_options(url, _URL_OPTIONS, "file")
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
             raise LedgerConfigurationError(

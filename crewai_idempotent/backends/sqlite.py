@@ -133,7 +133,9 @@ class SQLiteCacheBackend(CacheBackend):
 
     @staticmethod
     def path_from_url(url: str) -> Path:
-        """The absolute file a `sqlite:` URL names, without opening it."""
+        """The absolute file a `sqlite:` URL names, without opening it. The options are
+        checked too: a misspelt one is refused before anyone looks for the file."""
+        local_options(url, _URL_OPTIONS, "sqlite")
         parts = urlsplit(url)
         if parts.netloc:
             raise LedgerConfigurationError(
