@@ -57,6 +57,9 @@ _REPLACE = (
 _GET = "SELECT doc FROM idempotency_records WHERE key = ?"
 _DELETE = "DELETE FROM idempotency_records WHERE key = ? AND token = ? AND revision = ?"
 
+# The slots of a thread's connections (`_ready`).
+_PLAIN, _CLAIM = "conn", "claim_conn"
+
 # Every backend of this process, so that one opening a file can tell that another object
 # holds connections to it inherited through a fork that skipped the hooks.
 _backends: weakref.WeakSet[SQLiteCacheBackend] = weakref.WeakSet()
@@ -95,10 +98,15 @@ class SQLiteCacheBackend(CacheBackend):
         # connection and are synced before they return; every other write goes through a
         # NORMAL one and rides the next claim's sync (docs/backends.md, "Durability").
         self._lazy = synchronous == "CLAIMS"
+        # A thread's connections, by slot: the one for every operation, and the one for
+        # writes that let a body start (the same slot unless claims alone are synced).
+        self._syncs = {_PLAIN: "NORMAL" if self._lazy else synchronous, _CLAIM: "FULL"}
+        self._claim_slot = _CLAIM if self._lazy else _PLAIN
         self.busy_timeout_s = busy_timeout_s
         self.allow_insecure_path = allow_insecure_path
         self.path, st = private_file(Path(path), allow_insecure_path)
         self._identity = (st.st_dev, st.st_ino)
+        self._dev, self._ino = st.st_dev, st.st_ino  # compared apart: no tuple per operation
         self._path_text = str(self.path)  # os.stat of a str skips __fspath__ on every call
         _pin_inode(self, self.path)
         # SQLite creates -wal and -shm itself; they must never be created through a new
@@ -210,20 +218,24 @@ class SQLiteCacheBackend(CacheBackend):
 
     # -- connections -------------------------------------------------------------------
 
-    def _conn(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn
-        return self._connect("conn", "NORMAL" if self._lazy else self.synchronous)
-
-    def _claim_conn(self) -> sqlite3.Connection:
-        """The connection for writes that let a body start: synced before they return."""
-        if not self._lazy:
-            return self._conn()
-        conn: sqlite3.Connection | None = getattr(self._local, "claim_conn", None)
-        if conn is not None:
-            return conn
-        return self._connect("claim_conn", "FULL")
+    def _ready(self, slot: str) -> sqlite3.Connection:
+        """This thread's connection in `slot` for one operation, which the caller runs
+        inside the fork gate: once this is still the process the backend's connections
+        belong to, and the file at the path still the one opened."""
+        if self._pid != os.getpid():
+            self._forked_without_hook()
+        # One stat per operation: a ledger deleted or replaced under a running process
+        # must not become a fresh, empty ledger in which committed keys run again.
+        try:
+            st = os.stat(self._path_text)
+        except FileNotFoundError:
+            raise LedgerUnavailable(self._deleted()) from None
+        if st.st_ino != self._ino or st.st_dev != self._dev:
+            raise LedgerUnavailable(self._replaced(st.st_ino))
+        conn: sqlite3.Connection | None = getattr(self._local, slot, None)
+        if conn is None:
+            conn = self._connect(slot, self._syncs[slot])
+        return conn
 
     def _connect(self, slot: str, synchronous: str) -> sqlite3.Connection:
         if self._closed:
@@ -318,48 +330,33 @@ class SQLiteCacheBackend(CacheBackend):
 
     def _guard(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(connection, *args)` as one operation: inside the fork gate, on this
-        thread's connection, after checking the file is still the one opened. SQLite's
-        failures become a LedgerUnavailable that names the cause."""
-        return self._on(self._conn, fn, args)
-
-    def _on(
-        self,
-        connection: Callable[[], sqlite3.Connection],
-        fn: Callable[..., T],
-        args: tuple[Any, ...],
-    ) -> T:
+        thread's connection, after checking the process and the file (`_ready`). SQLite's
+        failures become a LedgerUnavailable that names the cause. `peek`, `insert` and
+        `replace` spell the same steps out: they are every call's path, and the layers
+        cost a microsecond each."""
         gate = self._gate
         gate.enter()
         try:
-            if self._pid != os.getpid():
-                self._forked_without_hook()
-            self._check_identity()
-            return fn(connection(), *args)
-        except LedgerUnavailable:
-            raise
+            return fn(self._ready(_PLAIN), *args)
         except (sqlite3.Error, OSError) as exc:
             raise LedgerUnavailable(self._explain(exc)) from exc
         finally:
             gate.leave()
 
-    def _check_identity(self) -> None:
-        # One stat per operation: a ledger deleted or replaced under a running process
-        # must not become a fresh, empty ledger in which committed keys run again.
-        try:
-            st = os.stat(self._path_text)
-        except FileNotFoundError:
-            raise LedgerUnavailable(
-                f"the ledger file {self.path} was deleted while this process had it open; "
-                "refusing to start an empty ledger (committed keys would run again). Restore "
-                "it from a backup, or open a new ledger deliberately"
-            ) from None
-        if (st.st_dev, st.st_ino) != self._identity:
-            raise LedgerUnavailable(
-                f"the ledger file {self.path} was replaced while this process had it open "
-                f"(it was inode {self._identity[1]}, it is now inode {st.st_ino}); refusing "
-                "to use a different ledger than the one opened. Open the ledger again "
-                "deliberately if the replacement is intended"
-            )
+    def _deleted(self) -> str:
+        return (
+            f"the ledger file {self.path} was deleted while this process had it open; "
+            "refusing to start an empty ledger (committed keys would run again). Restore "
+            "it from a backup, or open a new ledger deliberately"
+        )
+
+    def _replaced(self, inode: int) -> str:
+        return (
+            f"the ledger file {self.path} was replaced while this process had it open "
+            f"(it was inode {self._ino}, it is now inode {inode}); refusing "
+            "to use a different ledger than the one opened. Open the ledger again "
+            "deliberately if the replacement is intended"
+        )
 
     def _drop_connections(self, *, close: bool) -> None:
         with self._lock:
@@ -391,14 +388,31 @@ class SQLiteCacheBackend(CacheBackend):
     # -- protocol ----------------------------------------------------------------------
 
     def insert(self, record: Record) -> Record | None:
+        key = record.key
         params = (
-            record.key, record.status.value, record.token, record.revision,
-            record.updated_at, record.to_json(),
+            key, record.status.value, record.token, record.revision, record.updated_at,
+            record.to_json(),
         )  # fmt: skip
-        # Every insert is synced: a claim lets a body start, and the rare other one (a
-        # fenced record whose key was purged meanwhile) must not vanish either.
-        doc = self._on(self._claim_conn, _insert, (params,))
-        return None if doc is None else self._decode(doc)
+        gate = self._gate
+        gate.enter()
+        try:
+            # Every insert is synced: a claim lets a body start, and the rare other one (a
+            # fenced record whose key was purged meanwhile) must not vanish either.
+            conn = self._ready(self._claim_slot)
+            while True:
+                # One autocommit statement: SQLite runs it as its own write transaction,
+                # so the insert-if-absent is atomic across threads and processes.
+                if conn.execute(_INSERT, params).rowcount == 1:
+                    return None
+                row = conn.execute(_GET, (key,)).fetchone()
+                if row is not None:
+                    break
+                # deleted between the two statements: try the claim again
+        except (sqlite3.Error, OSError) as exc:
+            raise LedgerUnavailable(self._explain(exc)) from exc
+        finally:
+            gate.leave()
+        return self._parsed(row[0], Record.from_json)
 
     def replace(self, current: Record, new: Record) -> bool:
         params = (
@@ -409,16 +423,32 @@ class SQLiteCacheBackend(CacheBackend):
         # failure, a lease renewal, a reconciliation may be lost to a power cut: the record
         # then falls back to the last synced state, which never lets a body run again.
         takeover = new.status is Status.PENDING and new.token != current.token
-        return self._on(self._claim_conn if takeover else self._conn, _changed, (_REPLACE, params))
+        gate = self._gate
+        gate.enter()
+        try:
+            conn = self._ready(self._claim_slot if takeover else _PLAIN)
+            return conn.execute(_REPLACE, params).rowcount == 1
+        except (sqlite3.Error, OSError) as exc:
+            raise LedgerUnavailable(self._explain(exc)) from exc
+        finally:
+            gate.leave()
 
     def get(self, key: str) -> Record | None:
         doc = self._guard(_fetch_doc, key)
         return None if doc is None else self._decode(doc)
 
     def peek(self, key: str) -> Peek | None:
-        # A plain SELECT: a read transaction on the WAL, never the write lock.
-        doc = self._guard(_fetch_doc, key)
-        return None if doc is None else self._parsed(doc, Peek.from_json)
+        gate = self._gate
+        gate.enter()
+        try:
+            # A plain SELECT: a read transaction on the WAL, never the write lock. The
+            # cursor goes with the expression, so the read ends inside the gate.
+            row = self._ready(_PLAIN).execute(_GET, (key,)).fetchone()
+        except (sqlite3.Error, OSError) as exc:
+            raise LedgerUnavailable(self._explain(exc)) from exc
+        finally:
+            gate.leave()
+        return None if row is None else self._parsed(row[0], Peek.from_json)
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         params: tuple[str, ...] = ()
@@ -476,18 +506,6 @@ _URL_OPTIONS: dict[str, Callable[[str], Any]] = {
 def sqlite_url(path: str | os.PathLike[str]) -> str:
     """The `sqlite:` URL of `path`, made absolute."""
     return "sqlite:///" + quote(str(Path(path).absolute()), safe="/")
-
-
-def _insert(conn: sqlite3.Connection, params: tuple[Any, ...]) -> str | None:
-    while True:
-        # One autocommit statement: SQLite runs it as its own write transaction, so the
-        # insert-if-absent is atomic across threads and processes.
-        if conn.execute(_INSERT, params).rowcount == 1:
-            return None
-        row = conn.execute(_GET, (params[0],)).fetchone()
-        if row is not None:
-            return str(row[0])
-        # deleted between the two statements: try the claim again
 
 
 def _changed(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...]) -> bool:
