@@ -157,7 +157,16 @@ class Ledger(_Machine):
         """
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
-        acquired = self._drive(self._acquire(key, options))
+        if self.backend.read_first:
+            # The replay's fast path without a trip through the driver: the same peek
+            # and the same decision (`_replay`) that `_acquire` makes on the async path.
+            peeked = self._perform(self.backend.peek, key)
+            replay = self._replay(peeked, options)
+            if replay is not None:
+                return replay
+            acquired = self._drive(self._acquire(key, options, peeked))
+        else:
+            acquired = self._drive(self._acquire(key, options))
         if isinstance(acquired, Outcome):
             return acquired
         claim: _Claim = acquired
@@ -364,11 +373,9 @@ class Ledger(_Machine):
                 reply = error = None
                 if type(step) is _Call:
                     try:
-                        reply = step.fn(*step.args)
+                        reply = self._perform(step.fn, *step.args)
                     except IdempotencyError as exc:
                         error = exc
-                    except Exception as exc:  # noqa: BLE001 - fail closed on anything a store raises
-                        error = self._unavailable(exc)
                 elif type(step) is _Park:
                     self._rooms.park(step.room, step.seen, step.seconds)
                 elif type(step) is _Sleep:
@@ -378,6 +385,16 @@ class Ledger(_Machine):
                     reply = ask(step.reconcile, step.key, step.args)
         finally:
             steps.close()  # a member that leaves early still leaves its room
+
+    def _perform(self, fn: Callable[..., T], *args: Any) -> T:
+        """A backend call in this thread. The ledger's own errors pass as they are;
+        anything else a store raises becomes LedgerUnavailable (fail closed)."""
+        try:
+            return fn(*args)
+        except IdempotencyError:
+            raise
+        except Exception as exc:
+            raise self._unavailable(exc) from exc
 
     async def _adrive(self, steps: Step[T], lane: Callable[[], concurrent.futures.Executor]) -> T:
         """Perform the steps on the event loop: waits are asyncio waits, backend calls run

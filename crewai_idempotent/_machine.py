@@ -57,17 +57,33 @@ class _Machine:
     _rooms: _Rooms
     _monotonic: Callable[[], float]
 
-    def _acquire(self, key: str, o: _Options) -> Step[_Claim | Outcome[Any]]:
-        peeked: Peek | None = None
-        if self.backend.read_first:
-            # A replay is a read: no write lock, no claim record, no room, and only the
-            # result decoded. Anything else goes the full way below, which decides (and
-            # writes) with the whole record.
-            peeked = yield _Call(self.backend.peek, key)
-            if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now()):
-                if self._listeners:
-                    self._emit("replay", peeked.record())
-                return Outcome(decode(peeked.result), True, peeked)
+    def _replay(self, peeked: Peek | None, o: _Options) -> Outcome[Any] | None:
+        """The replay of a peeked record, if it is a live receipt for these arguments.
+
+        A replay is a read: no write lock, no claim record, no room, and only the result
+        decoded. Anything else goes the full way (`_acquire`), which decides (and writes)
+        with the whole record. The sync driver peeks in the caller's thread and asks this
+        before it starts `_acquire`; the async one peeks inside `_acquire`, on a lane.
+        """
+        if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now()):
+            if self._listeners:
+                self._emit("replay", peeked.record())
+            return Outcome(decode(peeked.result), True, peeked)
+        return None
+
+    def _acquire(
+        self, key: str, o: _Options, peeked: Peek | None = _MISSING
+    ) -> Step[_Claim | Outcome[Any]]:
+        """Replay, wait, claim or take over. `peeked`: what a peek the caller made already
+        found (then `_replay` has refused it), else the peek is made here when the store
+        reads first."""
+        if peeked is _MISSING:
+            peeked = None
+            if self.backend.read_first:
+                peeked = yield _Call(self.backend.peek, key)
+                replay = self._replay(peeked, o)
+                if replay is not None:
+                    return replay
         rooms = self._rooms
         # Nothing known of the key: the first caller in the room holds it from the start
         # and claims (what _acquire_in would do, with half the trips through the lock).

@@ -3,10 +3,12 @@ and the full record is built only when someone asks for it."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,3 +101,75 @@ def test_a_corrupt_row_fails_closed_on_the_fast_path(tmp_path: Path) -> None:
         ledger.run("k", lambda: ran.append(1) or 2)
     assert ran == []
     ledger.close()
+
+
+class _CountingStore(InMemoryCacheBackend):
+    """Counts the reads a call makes; `broken` makes every peek raise what a driver or a
+    store library might (not one of the ledger's own errors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peeks = self.gets = 0
+        self.broken = False
+
+    def peek(self, key: str) -> Peek | None:
+        self.peeks += 1
+        if self.broken:
+            raise OSError("disk went away")
+        return super().peek(key)
+
+    def get(self, key: str) -> Any:
+        self.gets += 1
+        return super().get(key)
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_failing_peek_fails_closed_and_the_body_does_not_run(driver: str) -> None:
+    store = _CountingStore()
+    ledger = Ledger(store)
+    store.broken = True
+    ran: list[int] = []
+
+    async def body() -> int:
+        ran.append(1)
+        return 1
+
+    with pytest.raises(LedgerUnavailable, match="disk went away") as caught:
+        if driver == "sync":
+            ledger.run("k", lambda: ran.append(1) or 1)
+        else:
+            asyncio.run(ledger.arun("k", body))
+    assert isinstance(caught.value.__cause__, OSError)
+    assert ran == []
+    assert store.get("k") is None  # nothing claimed
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_one_read_decides_a_fresh_key_a_replay_and_a_takeover(driver: str) -> None:
+    store = _CountingStore()
+    ledger = Ledger(store)
+    ran: list[str] = []
+
+    def call(value: str, fail: bool = False) -> Any:
+        def sync_body() -> str:
+            ran.append(value)
+            if fail:
+                raise RuntimeError("declined")
+            return value
+
+        async def async_body() -> str:
+            return sync_body()
+
+        if driver == "sync":
+            return ledger.execute("k", sync_body, fingerprint="fp")
+        return asyncio.run(ledger.aexecute("k", async_body, fingerprint="fp"))
+
+    with pytest.raises(RuntimeError):
+        call("first", fail=True)  # fresh: peeked absent, claimed, recorded FAILED
+    taken = call("second")  # FAILED: the peeked record is taken over, no second read
+    replay = call("third")  # COMMITTED: replayed from the peek
+    assert ran == ["first", "second"]
+    assert (taken.value, taken.replayed) == ("second", False)
+    assert (replay.value, replay.replayed) == ("second", True)
+    assert [e.kind for e in replay.record.history] == ["claim", "fail", "takeover", "commit"]
+    assert (store.peeks, store.gets) == (3, 0)
