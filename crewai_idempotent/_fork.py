@@ -14,6 +14,7 @@ socket or SQLite handle in the child would break the parent).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import weakref
@@ -30,6 +31,38 @@ class ForkAware(Protocol):
 
 
 log = logging.getLogger("crewai_idempotent")
+
+# MADV_WIPEONFORK (Linux 4.14) by its number where Python does not name it: 18 on every
+# architecture that takes its madvise numbers from asm-generic (alpha, mips and parisc
+# have their own, and go without).
+_WIPEONFORK_ARCHES = ("x86_64", "i686", "aarch64", "armv7l", "riscv64", "ppc64le", "s390x")
+
+
+def _fork_marker() -> mmap.mmap | bytearray:
+    """One byte that reads 1 until this process forks: the kernel hands every child,
+    however it was forked, a zeroed copy of the page (MADV_WIPEONFORK).
+
+    A store asks it on every operation instead of `os.getpid()`, a system call: only a
+    0 (a fork happened) sends it on to compare pids. A fork through `os.fork()` re-arms
+    the page once every object's hooks have run; one that bypassed them leaves it 0, so
+    that process keeps comparing pids, as every process did before. Without the advice
+    (another OS, an older kernel, an unlisted architecture) the byte is always 0.
+    """
+    advice = getattr(mmap, "MADV_WIPEONFORK", None)
+    if advice is None and os.uname().sysname == "Linux":
+        advice = 18 if os.uname().machine in _WIPEONFORK_ARCHES else None
+    if advice is None:
+        return bytearray(1)
+    try:
+        page = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        page.madvise(advice)
+    except (AttributeError, OSError, ValueError):
+        return bytearray(1)
+    page[0] = 1
+    return page
+
+
+unforked = _fork_marker()
 
 _objects: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 _objects_lock = threading.Lock()
@@ -76,6 +109,9 @@ def _after_in_child() -> None:
     finally:
         _in_fork.clear()
         _objects_lock.release()
+        # Every object has taken note of the new pid: the marker may say "unforked" again.
+        if isinstance(unforked, mmap.mmap):
+            unforked[0] = 1
 
 
 def _call(hook: Callable[[], None]) -> None:

@@ -10,6 +10,9 @@ tests/test_fork_scenarios.py; what is here is particular to SQLite and the file 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import sqlite3
 import threading
 import time
@@ -18,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend
+from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend, _fork
 from tests.conftest import backend_factory
 from tests.faults.provider import Provider
 from tests.fork_support import assert_sound, run_scenario
@@ -173,3 +176,33 @@ def test_closed_while_an_operation_ran_still_counts_at_the_next_fork(
     assert reply.get("error") == "LedgerUnavailable", reply
     assert "after the fork" in reply["message"]
     assert [e["key"] for e in provider.effects()] == ["before"]
+
+
+# -- the fork marker: how a store notices a fork without a system call ------------------------
+
+
+@pytest.mark.skipif(
+    not isinstance(_fork.unforked, mmap.mmap),
+    reason="MADV_WIPEONFORK unavailable: the stores compare pids on every operation",
+)
+def test_the_fork_marker_is_zero_in_any_child_until_the_hooks_have_run() -> None:
+    """SQLite asks the pid only when the marker reads 0: a child forked without the hooks
+    must see 0 (the bypass scenario above then refuses the file), a child forked through
+    os.fork() sees 1 again once every object has taken its new pid, the parent stays 1."""
+    assert _fork.unforked[0] == 1
+    read, write = os.pipe()
+    libc = ctypes.CDLL(None, use_errno=True)
+    pid = libc.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(write, bytes([_fork.unforked[0]]))
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(write, bytes([_fork.unforked[0]]))
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert os.read(read, 2) == bytes([0, 1])
+    os.close(read)
+    os.close(write)
+    assert _fork.unforked[0] == 1

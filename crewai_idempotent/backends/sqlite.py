@@ -26,6 +26,7 @@ from urllib.parse import quote, unquote, urlsplit
 from .. import _fork
 from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
+from .._fork import unforked
 from .._record import Peek, Record, Status
 from ._options import flag, local_options, seconds
 from ._paths import check_existing_file, private_file
@@ -222,7 +223,9 @@ class SQLiteCacheBackend(CacheBackend):
         """This thread's connection in `slot` for one operation, which the caller runs
         inside the fork gate: once this is still the process the backend's connections
         belong to, and the file at the path still the one opened."""
-        if self._pid != os.getpid():
+        # `unforked` is a byte in memory the kernel zeroes in a forked child: only then is
+        # the pid (a system call) worth asking (`_fork._fork_marker`).
+        if not unforked[0] and self._pid != os.getpid():
             self._forked_without_hook()
         # One stat per operation: a ledger deleted or replaced under a running process
         # must not become a fresh, empty ledger in which committed keys run again.
