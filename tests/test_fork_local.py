@@ -206,3 +206,42 @@ def test_the_fork_marker_is_zero_in_any_child_until_the_hooks_have_run() -> None
     os.close(read)
     os.close(write)
     assert _fork.unforked[0] == 1
+
+
+def test_a_process_forked_without_the_hooks_never_closes_what_it_inherited_when_it_forks(
+    tmp_path: Path,
+) -> None:
+    """A child forked in C inherits the parent's open connections; when it later forks
+    through os.fork(), its hooks must not close them (sqlite3_close there would act on
+    locks and a WAL index the parent owns): they are kept, and the file refused."""
+    backend = SQLiteCacheBackend(tmp_path / "ledger.db")
+    Ledger(backend).run("paid", lambda: "ch_original")
+    inherited = backend._local.conn
+    read, write = os.pipe()
+    libc = ctypes.CDLL(None, use_errno=True)
+    pid = libc.fork()
+    if pid == 0:  # pragma: no cover - the child, forked without the hooks
+        try:
+            grandchild = os.fork()
+            if grandchild == 0:
+                os._exit(0)
+            os.waitpid(grandchild, 0)
+            try:
+                inherited.total_changes  # noqa: B018 - raises once the connection is closed
+                closed = 0
+            except sqlite3.ProgrammingError:
+                closed = 1
+            try:
+                backend.peek("paid")
+                refused = 0
+            except LedgerUnavailable:
+                refused = 1
+            os.write(write, bytes([closed, refused]))
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert os.read(read, 2) == bytes([0, 1])  # kept open, and refused
+    os.close(read)
+    os.close(write)
+    assert backend.peek("paid") is not None  # the parent's own connections still work
+    backend.close()

@@ -183,6 +183,10 @@ class SQLiteCacheBackend(CacheBackend):
 
     def before_fork(self) -> None:
         self._quiesced = False
+        if self._pid != os.getpid():
+            # This process was forked without the hooks: what it holds is the parent's,
+            # never to be closed here. Refuse the file, and fork with nothing open.
+            self._forked_without_hook()
         if not self._gate.close(self.busy_timeout_s + 1.0):
             return  # an operation is still running: its connection cannot be closed
         self._drop_connections(close=True)
