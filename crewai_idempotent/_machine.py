@@ -125,12 +125,7 @@ class _Machine:
                         if claim is not None:
                             return claim
                     else:
-                        try:
-                            found = yield _Call(self.backend.get, key)
-                        except LedgerUnavailable as exc:
-                            rooms.publish_error(key, exc)
-                            raise
-                        rooms.publish(key, found, read=True)
+                        yield from self._look(key)
                 finally:
                     rooms.release(room)
                 seen, held = rooms.news(room)
@@ -165,12 +160,7 @@ class _Machine:
                         yield _Park(room, seen, pause)
                         if rooms.news(room)[0] == seen:
                             room.delay = min(room.delay * 2, 0.2)
-                            try:
-                                found = yield _Call(self.backend.get, key)
-                            except LedgerUnavailable as exc:
-                                rooms.publish_error(key, exc)
-                                raise
-                            rooms.publish(key, found, read=True)
+                            yield from self._look(key)
                         polled = True
                     finally:
                         rooms.release(room, wake=not polled)
@@ -200,6 +190,16 @@ class _Machine:
             finally:
                 rooms.release(room)
             seen, held = rooms.news(room)
+
+    def _look(self, key: str) -> Step[None]:
+        """Read the key's record for everyone in its room: the record, or the failure to
+        read it, is news for every member."""
+        try:
+            found = yield _Call(self.backend.get, key)
+        except LedgerUnavailable as exc:
+            self._rooms.publish_error(key, exc)
+            raise
+        self._rooms.publish(key, found, read=True)
 
     def _catch_up(self, room: _Room, seen: int, held: Any) -> tuple[int, Any]:
         """After a pause: the room's news if there is any, else what this member knew."""
