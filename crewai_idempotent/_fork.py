@@ -103,18 +103,20 @@ def _after_in_parent() -> None:
 def _after_in_child() -> None:
     # The forking thread is the child's only thread, and a Lock has no owner: releasing
     # the lock taken in `_before` is safe here too.
+    noted = False
     try:
-        for obj in reversed(_in_fork):
-            _call(obj.after_fork_in_child)
+        noted = all([_call(obj.after_fork_in_child) for obj in reversed(_in_fork)])
     finally:
         _in_fork.clear()
         _objects_lock.release()
         # Every object has taken note of the new pid: the marker may say "unforked" again.
-        if isinstance(unforked, mmap.mmap):
+        # If one hook failed, that object still holds its parent's state: the marker stays
+        # 0, so every operation keeps comparing pids and it finds out for itself.
+        if noted and isinstance(unforked, mmap.mmap):
             unforked[0] = 1
 
 
-def _call(hook: Callable[[], None]) -> None:
+def _call(hook: Callable[[], None]) -> bool:
     # One object's failing hook must not deprive the others of theirs: each object that
     # missed its before_fork must find out in its after hooks (see the backends), and
     # os.register_at_fork would otherwise skip every object after the failing one.
@@ -122,6 +124,8 @@ def _call(hook: Callable[[], None]) -> None:
         hook()
     except Exception:
         log.exception("fork hook %r failed", hook)
+        return False
+    return True
 
 
 os.register_at_fork(

@@ -208,6 +208,41 @@ def test_the_fork_marker_is_zero_in_any_child_until_the_hooks_have_run() -> None
     assert _fork.unforked[0] == 1
 
 
+@pytest.mark.skipif(
+    not isinstance(_fork.unforked, mmap.mmap),
+    reason="MADV_WIPEONFORK unavailable: the stores compare pids on every operation",
+)
+def test_the_fork_marker_stays_zero_when_a_child_hook_failed() -> None:
+    """An object whose child hook raised still holds its parent's state: the marker must
+    keep saying "forked" so that every store goes on comparing pids."""
+
+    class Broken:
+        def before_fork(self) -> None:
+            pass
+
+        def after_fork_in_parent(self) -> None:
+            pass
+
+        def after_fork_in_child(self) -> None:
+            raise RuntimeError("a child hook that fails")
+
+    broken = Broken()
+    _fork.register(broken)
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os.write(write, bytes([_fork.unforked[0]]))
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert os.read(read, 1) == bytes([0])
+        os.close(read)
+        os.close(write)
+    finally:
+        _fork.unregister(broken)
+    assert _fork.unforked[0] == 1
+
+
 def test_a_process_forked_without_the_hooks_never_closes_what_it_inherited_when_it_forks(
     tmp_path: Path,
 ) -> None:
