@@ -101,6 +101,13 @@ def stash_options(tool: Any, options: ToolOptions) -> None:
     _stash(tool, TOOL_STASH, options)
 
 
+def fields_of(cls: Any) -> Any:
+    """A model class's fields. pydantic >= 2.10 keeps them in `__pydantic_fields__` (its
+    `model_fields` became a computed property, several times slower on every call);
+    earlier releases in `model_fields` itself."""
+    return getattr(cls, "__pydantic_fields__", None) or cls.model_fields
+
+
 def options_of(tool: Any) -> ToolOptions | None:
     """The options a tool was flagged with, or None: on every call of a class tool, so
     this is a dict lookup and nothing more."""

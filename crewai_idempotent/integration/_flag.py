@@ -18,7 +18,7 @@ from crewai.tools.base_tool import Tool
 from pydantic import BaseModel, create_model
 
 from . import _compat, _guard
-from ._call import GUARD_MARK, KEY_PARAMETER, hide_key, stash_options
+from ._call import GUARD_MARK, KEY_PARAMETER, fields_of, hide_key, stash_options
 from ._config import OPTION_NAMES, ToolOptions
 from ._keying import check_template
 
@@ -127,7 +127,7 @@ def flag(tool: BaseTool, options: ToolOptions) -> None:
 
 def options_from_instance(tool: BaseTool, given: Mapping[str, Any]) -> ToolOptions | None:
     """Options declared as fields on the tool's class, overridden by those given."""
-    declared = {n: getattr(tool, n) for n in OPTION_NAMES if n in type(tool).model_fields}
+    declared = {n: getattr(tool, n) for n in OPTION_NAMES if n in fields_of(type(tool))}
     merged = {**{k: v for k, v in declared.items() if v is not None}, **given}
     if not merged or ("idempotent" not in merged and not given):
         return None

@@ -275,7 +275,7 @@ def _crew_init(original: Callable[..., None]) -> Callable[..., None]:
         # inside `import crewai` (issue 14's activation budget).
         from ._config import check_crew_ledger, merge_crew_settings
 
-        fields = type(self).model_fields
+        fields = _call.fields_of(type(self))
         idempotency = data.pop("idempotency", None) if "idempotency" not in fields else None
         cache_backend = data.pop("cache_backend", None) if "cache_backend" not in fields else None
         config = merge_crew_settings(idempotency, cache_backend, type(self).__name__)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from _crewai_idempotent_autoload import OPTION_NAMES
 
-from ._call import GUARD_MARK, TOOL_STASH, hide_key, options_of
+from ._call import GUARD_MARK, TOOL_STASH, fields_of, hide_key, options_of
 
 if TYPE_CHECKING:
     from ._config import ToolOptions
@@ -64,7 +64,7 @@ def init_taking_options(original: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(original)
     def init(self: Any, /, **data: Any) -> None:
-        fields = type(self).model_fields
+        fields = fields_of(type(self))
         given = {k: data.pop(k) for k in OPTION_NAMES if k in data and k not in fields}
         original(self, **data)
         if not given and not any(name in fields for name in OPTION_NAMES):
@@ -101,7 +101,9 @@ def guard_method(original: Callable[..., Any]) -> Any:
             # Certainly plain (nothing stashed, no `idempotent` field): two dict lookups,
             # inline, since every call of every class tool asks.
             private = getattr(self, "__pydantic_private__", None)
-            if not (private and TOOL_STASH in private) and "idempotent" not in _fields(type(self)):
+            if not (private and TOOL_STASH in private) and "idempotent" not in fields_of(
+                type(self)
+            ):
                 return await original(self, *args, **kwargs)
             options = _options_for_call(self)
             if options is None:
@@ -118,7 +120,9 @@ def guard_method(original: Callable[..., Any]) -> Any:
             # Certainly plain (nothing stashed, no `idempotent` field): two dict lookups,
             # inline, since every call of every class tool asks.
             private = getattr(self, "__pydantic_private__", None)
-            if not (private and TOOL_STASH in private) and "idempotent" not in _fields(type(self)):
+            if not (private and TOOL_STASH in private) and "idempotent" not in fields_of(
+                type(self)
+            ):
                 return original(self, *args, **kwargs)
             options = _options_for_call(self)
             if options is None:
@@ -133,19 +137,12 @@ def guard_method(original: Callable[..., Any]) -> Any:
     return guarded
 
 
-def _fields(cls: Any) -> Any:
-    """A model class's fields. pydantic >= 2.10 keeps them in `__pydantic_fields__` (its
-    `model_fields` became a computed property, several times slower on every call);
-    earlier releases in `model_fields` itself."""
-    return getattr(cls, "__pydantic_fields__", None) or cls.model_fields
-
-
 def _options_for_call(tool: Any) -> ToolOptions | None:
     """The options of a tool flagged idempotent, else None (on every class-tool call)."""
     options = options_of(tool)
     if options is not None:
         return options if options.idempotent else None
-    if "idempotent" not in _fields(type(tool)):
+    if "idempotent" not in fields_of(type(tool)):
         return None
     # Declared idempotent but never through __init__: pydantic's model_validate (a
     # checkpoint restore, a tool built from config) skips it. Flag it now.
