@@ -31,6 +31,7 @@ from .._record import Peek, Record, Status
 from ._options import flag, local_options, seconds
 from ._paths import check_existing_file, private_file
 from ._sqlite_fork import Gate, refusal_message, taint, tainted
+from ._sqlite_group import Group
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")
@@ -103,6 +104,9 @@ class SQLiteCacheBackend(CacheBackend):
         # writes that let a body start (the same slot unless claims alone are synced).
         self._syncs = {_PLAIN: "NORMAL" if self._lazy else synchronous, _CLAIM: "FULL"}
         self._claim_slot = _CLAIM if self._lazy else _PLAIN
+        # The synced writes of concurrent threads share one fsync (`_sqlite_group`).
+        # NORMAL syncs nothing when a write commits: nothing to share.
+        self._group = None if synchronous == "NORMAL" else Group()
         self.busy_timeout_s = busy_timeout_s
         self.allow_insecure_path = allow_insecure_path
         self.path, st = private_file(Path(path), allow_insecure_path)
@@ -197,8 +201,9 @@ class SQLiteCacheBackend(CacheBackend):
         self._gate.open()
 
     def after_fork_in_child(self) -> None:
-        # Threads that waited at the gate did not cross the fork: a fresh gate.
+        # Threads that waited at the gate or in a batch did not cross the fork: fresh ones.
         self._gate = Gate()
+        self._group = None if self._group is None else Group()
         self._pid = os.getpid()
         if not self._quiesced and self._connections:
             self._refuse_file(
@@ -219,6 +224,7 @@ class SQLiteCacheBackend(CacheBackend):
         if self._connections:
             self._refuse_file("the fork bypassed os.register_at_fork")
         self._gate = Gate()
+        self._group = None if self._group is None else Group()
         self._pid = os.getpid()
 
     # -- connections -------------------------------------------------------------------
@@ -395,31 +401,24 @@ class SQLiteCacheBackend(CacheBackend):
     # -- protocol ----------------------------------------------------------------------
 
     def insert(self, record: Record) -> Record | None:
-        key = record.key
         params = (
-            key, record.status.value, record.token, record.revision, record.updated_at,
+            record.key, record.status.value, record.token, record.revision, record.updated_at,
             record.to_json(),
         )  # fmt: skip
         gate = self._gate
         gate.enter()
         try:
             # Every insert is synced: a claim lets a body start, and the rare other one (a
-            # fenced record whose key was purged meanwhile) must not vanish either.
+            # fenced record whose key was purged meanwhile) must not vanish either. Threads
+            # claiming at once share one sync (`_sqlite_group`).
             conn = self._ready(self._claim_slot)
-            while True:
-                # One autocommit statement: SQLite runs it as its own write transaction,
-                # so the insert-if-absent is atomic across threads and processes.
-                if conn.execute(_INSERT, params).rowcount == 1:
-                    return None
-                row = conn.execute(_GET, (key,)).fetchone()
-                if row is not None:
-                    break
-                # deleted between the two statements: try the claim again
+            group = self._group
+            doc = _claim(conn, params) if group is None else group.run(conn, _claim, params)
         except (sqlite3.Error, OSError) as exc:
             raise LedgerUnavailable(self._explain(exc)) from exc
         finally:
             gate.leave()
-        return self._parsed(row[0], Record.from_json)
+        return None if doc is None else self._parsed(doc, Record.from_json)
 
     def replace(self, current: Record, new: Record) -> bool:
         params = (
@@ -434,7 +433,10 @@ class SQLiteCacheBackend(CacheBackend):
         gate.enter()
         try:
             conn = self._ready(self._claim_slot if takeover else _PLAIN)
-            return conn.execute(_REPLACE, params).rowcount == 1
+            group = self._group
+            if group is None or (self._lazy and not takeover):  # a write that syncs nothing
+                return conn.execute(_REPLACE, params).rowcount == 1
+            return bool(group.run(conn, _changed, _REPLACE, params))
         except (sqlite3.Error, OSError) as exc:
             raise LedgerUnavailable(self._explain(exc)) from exc
         finally:
@@ -513,6 +515,20 @@ _URL_OPTIONS: dict[str, Callable[[str], Any]] = {
 def sqlite_url(path: str | os.PathLike[str]) -> str:
     """The `sqlite:` URL of `path`, made absolute."""
     return "sqlite:///" + quote(str(Path(path).absolute()), safe="/")
+
+
+def _claim(conn: sqlite3.Connection, params: tuple[Any, ...]) -> str | None:
+    """Insert the record if its key is absent: None, else the holder's document."""
+    while True:
+        # Alone, one autocommit statement: SQLite runs it as its own write transaction, so
+        # the insert-if-absent is atomic across threads and processes. In a batch, the
+        # holder is read in the batch's transaction, so it is the record the insert met.
+        if conn.execute(_INSERT, params).rowcount == 1:
+            return None
+        row = conn.execute(_GET, (params[0],)).fetchone()
+        if row is not None:
+            return str(row[0])
+        # deleted between the two statements: try the claim again
 
 
 def _changed(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...]) -> bool:
