@@ -224,9 +224,9 @@ def batches(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
     seen: list[list[Any]] = []
     commit = _sqlite_group._commit
 
-    def recording(conn: sqlite3.Connection, batch: list[Any]) -> None:
+    def recording(conn: sqlite3.Connection, batch: list[Any], timeout_s: float) -> None:
         seen.append([member.args for member in batch])
-        commit(conn, batch)
+        commit(conn, batch, timeout_s)
 
     monkeypatch.setattr(_sqlite_group, "_commit", recording)
     return seen
@@ -511,4 +511,33 @@ def test_a_write_alone_never_joins_a_transaction_left_open(tmp_path: Path) -> No
     assert not backend._local.conn.in_transaction
     with SQLiteCacheBackend(path) as other:
         assert other.get("k") is not None
+    backend.close()
+
+
+def test_a_queued_write_waits_for_the_lock_no_longer_than_its_busy_timeout(
+    tmp_path: Path,
+) -> None:
+    # Queued behind a write stuck on the lock, a member must not then wait a busy timeout
+    # of its own: the fork gate and close() wait for it the busy timeout plus one second.
+    path = tmp_path / "ledger.db"
+    timeout = 2.0
+    backend = SQLiteCacheBackend(path, busy_timeout_s=timeout)
+    backend.get("warm-up")
+
+    def call(key: str) -> tuple[float, str]:
+        arrived = time.monotonic()
+        with pytest.raises(LedgerUnavailable) as failed:
+            backend.insert(_claim(key))
+        return time.monotonic() - arrived, str(failed.value)
+
+    with _write_lock(path):  # held throughout: every write gives up
+        results = _one_batch(backend, [lambda k=k: call(k) for k in "abc"], then=lambda: None)
+    for waited, message in results:
+        assert "locked past the busy timeout" in message
+        assert waited < timeout + 0.9  # alone it would be about twice the timeout
+    # The batch's shortened wait was put back.
+    assert {c.execute("PRAGMA busy_timeout").fetchone()[0] for c in backend._connections} == {
+        int(timeout * 1000)
+    }
+    assert backend.insert(_claim("after")) is None
     backend.close()

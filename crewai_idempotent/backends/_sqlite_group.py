@@ -22,6 +22,7 @@ import contextlib
 import copy
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,15 +33,20 @@ _WRITE_ERRORS = (sqlite3.Error, OSError)
 
 Write = Callable[..., Any]  # write(connection, *args): one item's statements, its answer
 
+# A batch whose members have waited this much longer than a write's own wait for the lock
+# could take (the commit before it was stuck on the lock) gets only the time they have left.
+_SLACK_S = 0.25
+
 
 class _Member:
     """One thread's write waiting for (or taken into) a batch."""
 
-    __slots__ = ("args", "done", "error", "lead", "result", "wake", "write")
+    __slots__ = ("args", "deadline", "done", "error", "lead", "result", "wake", "write")
 
-    def __init__(self, write: Write, args: tuple[Any, ...]) -> None:
+    def __init__(self, write: Write, args: tuple[Any, ...], deadline: float) -> None:
         self.write = write
         self.args = args
+        self.deadline = deadline  # when its caller's busy timeout, counted from arrival, ends
         self.result: Any = None
         self.error: BaseException | None = None
         self.done = False  # answered: result or error is final
@@ -51,15 +57,20 @@ class _Member:
     def answer(self) -> Any:
         if self.error is not None:
             raise self.error
+        if not self.done:  # never reported done without a COMMIT that returned
+            raise _unknown()
         return self.result
 
 
 class Group:
     """The synced writes of one backend's threads, committed a batch at a time."""
 
-    __slots__ = ("_busy", "_lock", "_queue")
+    __slots__ = ("_busy", "_lock", "_queue", "_timeout_s")
 
-    def __init__(self) -> None:
+    def __init__(self, busy_timeout_s: float) -> None:
+        # A write waits for SQLite's lock up to this long; a queued one, counted from when it
+        # arrived, no longer (the fork gate and close() wait that plus a second).
+        self._timeout_s = busy_timeout_s
         self._lock = threading.Lock()
         self._busy = False  # a write (alone or a batch) is being committed
         self._queue: list[_Member] = []  # waiting for the next batch, in arrival order
@@ -74,7 +85,7 @@ class Group:
                 self._busy = True
                 member = None
             else:
-                member = _Member(write, args)
+                member = _Member(write, args, time.monotonic() + self._timeout_s)
                 self._queue.append(member)
         if member is None:
             try:
@@ -88,7 +99,7 @@ class Group:
             if member.lead:
                 with self._lock:
                     batch, self._queue = self._queue, []
-                _commit(conn, batch)
+                _commit(conn, batch, self._timeout_s)
             return member.answer()
         except BaseException:
             if batch is None:  # interrupted (a signal) before it took a batch, if any
@@ -126,49 +137,64 @@ class Group:
                         self._busy = False
 
 
-def _commit(conn: sqlite3.Connection, batch: list[_Member]) -> None:
+def _commit(conn: sqlite3.Connection, batch: list[_Member], timeout_s: float) -> None:
     """Answer every member of `batch`, committing their writes on `conn`."""
+    try:
+        left = min(member.deadline for member in batch) - time.monotonic()
+        if left >= timeout_s - _SLACK_S:
+            _answer(conn, batch)
+            return
+        # Out of time: still one try without waiting, since the lock may be free by now.
+        conn.execute(f"PRAGMA busy_timeout = {max(0, int(left * 1000))}")
+        try:
+            _answer(conn, batch)
+        finally:
+            with contextlib.suppress(*_WRITE_ERRORS):
+                conn.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
+    finally:
+        if not all(member.done for member in batch):
+            # The leader was interrupted (a signal, MemoryError) or failed outside a write:
+            # the writes' fate is unknown, and no member may act as if its write were durable.
+            _rollback(conn)
+            for member in batch:
+                if not member.done:
+                    member.result, member.error, member.done = None, _unknown(), True
+
+
+def _answer(conn: sqlite3.Connection, batch: list[_Member]) -> None:
     if len(batch) == 1:  # nobody joined: the plain autocommit statement
         _alone(conn, batch)
         return
     try:
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except _WRITE_ERRORS as exc:
-            _shared(batch, exc)  # the write lock or the file: every member would meet it
-            return
-        try:
-            for member in batch:
-                member.result = member.write(conn, *member.args)
-        except _WRITE_ERRORS:
-            # One statement failed: none of the others may fail for it. Undo the batch and
-            # give each write its own transaction, its own answer.
-            _rollback(conn)
-            _alone(conn, batch)
-            return
-        try:
-            conn.execute("COMMIT")
-        except _WRITE_ERRORS as exc:
-            # Not synced, maybe not written: no member may count its write as done.
-            _rollback(conn)
-            _shared(batch, exc)
-            return
+        conn.execute("BEGIN IMMEDIATE")
+    except _WRITE_ERRORS as exc:
+        _shared(batch, exc)  # the write lock or the file: every member would meet it
+        return
+    try:
         for member in batch:
-            member.done = True
-    finally:
-        if not all(member.done for member in batch):
-            # The leader was interrupted (a signal, MemoryError): the writes' fate is
-            # unknown, and no member may act as if its write were durable.
-            _rollback(conn)
-            for member in batch:
-                if not member.done:
-                    member.result = None
-                    member.error = LedgerUnavailable(
-                        "the thread committing this write together with others was "
-                        "interrupted before its COMMIT returned; the write may or may not "
-                        "be in the ledger"
-                    )
-                    member.done = True
+            member.result = member.write(conn, *member.args)
+    except _WRITE_ERRORS:
+        # One statement failed: none of the others may fail for it. Undo the batch and
+        # give each write its own transaction, its own answer.
+        _rollback(conn)
+        _alone(conn, batch)
+        return
+    try:
+        conn.execute("COMMIT")
+    except _WRITE_ERRORS as exc:
+        # Not synced, maybe not written: no member may count its write as done.
+        _rollback(conn)
+        _shared(batch, exc)
+        return
+    for member in batch:
+        member.done = True
+
+
+def _unknown() -> LedgerUnavailable:
+    return LedgerUnavailable(
+        "the thread committing this write together with others' failed before its COMMIT "
+        "returned; the write may or may not be in the ledger"
+    )
 
 
 def _alone(conn: sqlite3.Connection, batch: list[_Member]) -> None:

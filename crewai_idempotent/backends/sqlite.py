@@ -106,7 +106,7 @@ class SQLiteCacheBackend(CacheBackend):
         self._claim_slot = _CLAIM if self._lazy else _PLAIN
         # The synced writes of concurrent threads share one fsync (`_sqlite_group`).
         # NORMAL syncs nothing when a write commits: nothing to share.
-        self._group = None if synchronous == "NORMAL" else Group()
+        self._group = None if synchronous == "NORMAL" else Group(busy_timeout_s)
         self.busy_timeout_s = busy_timeout_s
         self.allow_insecure_path = allow_insecure_path
         self.path, st = private_file(Path(path), allow_insecure_path)
@@ -203,7 +203,7 @@ class SQLiteCacheBackend(CacheBackend):
     def after_fork_in_child(self) -> None:
         # Threads that waited at the gate or in a batch did not cross the fork: fresh ones.
         self._gate = Gate()
-        self._group = None if self._group is None else Group()
+        self._group = None if self._group is None else Group(self.busy_timeout_s)
         self._pid = os.getpid()
         if not self._quiesced and self._connections:
             self._refuse_file(
@@ -224,7 +224,7 @@ class SQLiteCacheBackend(CacheBackend):
         if self._connections:
             self._refuse_file("the fork bypassed os.register_at_fork")
         self._gate = Gate()
-        self._group = None if self._group is None else Group()
+        self._group = None if self._group is None else Group(self.busy_timeout_s)
         self._pid = os.getpid()
 
     # -- connections -------------------------------------------------------------------
