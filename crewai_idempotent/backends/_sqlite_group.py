@@ -89,7 +89,8 @@ class Group:
                 self._queue.append(member)
         if member is None:
             try:
-                _clean(conn)
+                if conn.in_transaction:
+                    _clean(conn)
                 return write(conn, *args)
             finally:
                 self._hand_off()
