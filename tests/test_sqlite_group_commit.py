@@ -541,3 +541,56 @@ def test_a_queued_write_waits_for_the_lock_no_longer_than_its_busy_timeout(
     }
     assert backend.insert(_claim("after")) is None
     backend.close()
+
+
+def test_fork_while_a_write_outlives_the_wait_gives_the_child_a_fresh_group(
+    tmp_path: Path,
+) -> None:
+    # A synced write stuck (a disk that stopped answering) past the fork's wait, members
+    # queued behind it: the child must not inherit a group that is busy for ever; it
+    # refuses the file at once, and the parent's batch goes on when the write returns.
+    path = tmp_path / "ledger.db"
+    backend = SQLiteCacheBackend(path, busy_timeout_s=0.2)
+    ledger = Ledger(backend)
+    ledger.run("warm-up", lambda: 1)
+    group = backend._group
+    assert group is not None
+    release = threading.Event()
+
+    def stuck(conn: sqlite3.Connection) -> str:
+        release.wait(30)
+        return "written"
+
+    writer = threading.Thread(target=backend._guard, args=(lambda c: group.run(c, stuck),))
+    writer.start()
+    _until(lambda: group._busy, "the stuck write never started")
+    keys = [f"k{i}" for i in range(4)]
+    results: dict[str, Any] = {}
+    members = [
+        threading.Thread(target=lambda k=k: results.update({k: backend.insert(_claim(k))}))
+        for k in keys
+    ]
+    for member in members:
+        member.start()
+    _until(lambda: len(group._queue) == len(keys), "the members never queued")
+
+    def in_the_child() -> Any:
+        fresh = backend._group
+        assert fresh is not None
+        began = time.monotonic()
+        with pytest.raises(LedgerUnavailable, match="still running in the parent"):
+            ledger.run("in-child", lambda: "ran")
+        return {"busy": fresh._busy, "queued": len(fresh._queue), "s": time.monotonic() - began}
+
+    try:
+        reply = in_child(in_the_child)
+    finally:
+        release.set()
+        writer.join(30)
+        for member in members:
+            member.join(30)
+    assert reply.get("value", {}).get("busy") is False, reply
+    assert reply["value"]["queued"] == 0 and reply["value"]["s"] < 5
+    assert results == dict.fromkeys(keys)  # the parent's batch committed every member
+    assert ledger.run("after", lambda: "ok") == "ok"
+    backend.close()
