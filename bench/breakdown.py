@@ -141,16 +141,17 @@ def measure(mode: str, cycles: int, rounds: int, folder: Path) -> dict[str, floa
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", default="NORMAL", help="FULL, CLAIMS or NORMAL")
+    modes = ("FULL", "CLAIMS", "NORMAL")
+    parser.add_argument("--mode", default="NORMAL", type=str.upper, choices=modes)
     parser.add_argument("--cycles", type=int, default=2000, help="cycles per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, help="where to put the ledgers (default: a temp dir)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         os.chmod(tmp, 0o700)
-        us = measure(args.mode.upper(), args.cycles, args.rounds, Path(tmp))
+        us = measure(args.mode, args.cycles, args.rounds, Path(tmp))
     base = us["raw"]
-    print(f"synchronous={args.mode.upper()}, CPU us per cycle, medians of {args.rounds} rounds "
+    print(f"synchronous={args.mode}, CPU us per cycle, medians of {args.rounds} rounds "
           f"of {args.cycles} fresh keys")  # fmt: skip
     print(f"{'':<20}{'us':>8}{'added':>8}{'raw / this':>12}")
     previous = None
