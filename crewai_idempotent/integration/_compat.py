@@ -235,10 +235,34 @@ def _install_thread_context(set_attr: SetAttr) -> None:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        source = _source(module)
         pool = module.__dict__.get("ThreadPoolExecutor")
-        if source is not None and pool is not None and "copy_context" not in source:
+        if pool is not None and "copy_context" not in _defined_names(module, name):
             set_attr(module, "ThreadPoolExecutor", ContextCopyingThreadPoolExecutor)
+
+
+def _defined_names(module: Any, name: str) -> set[str]:
+    """The names used by the functions and methods defined in the module called `name`.
+
+    Not the module's source: from 1.15 `import crewai` copies base_agent's namespace,
+    `__file__` included, into the executor's module, so `inspect.getsource` read
+    base_agent.py, found no `copy_context`, and the executor's own pool (which copies the
+    context already) was replaced. The code objects belong to the module for good.
+    """
+    names: set[str] = set()
+    for obj in list(vars(module).values()):
+        if getattr(obj, "__module__", None) != name:
+            continue
+        members = vars(obj).values() if isinstance(obj, type) else (obj,)
+        for member in members:
+            # Methods, also behind a classmethod or a decorator (crewAI's flow routers).
+            function = getattr(member, "__func__", member)
+            for _ in range(16):  # a chain of decorators ends; a cycle is cut here
+                inner = getattr(function, "__wrapped__", None)
+                if inner is None:
+                    break
+                function = inner
+            names |= _names(function)
+    return names
 
 
 def execute_with_timeout(self: Any, task_prompt: str, task: Any, timeout: int) -> Any:
@@ -315,15 +339,12 @@ async def ainvoke(self: Any, input: Any, config: Any = None, **kwargs: Any) -> A
 def _install_ainvoke_context(set_attr: SetAttr) -> None:
     from crewai.tools.structured_tool import CrewStructuredTool
 
-    source = _source(CrewStructuredTool.__dict__.get("ainvoke"))
-    if source is None or "copy_context" in source or "to_thread" in source:
-        return  # fixed upstream, or nothing we can read
-    known = (
-        "run_in_executor" in source
-        and "self.func(**parsed_args, **kwargs)" in source
-        and "_increment_usage_count" in source
-    )
-    if not known:
+    names = _names(CrewStructuredTool.__dict__.get("ainvoke"))
+    if "copy_context" in names or "to_thread" in names:
+        return  # fixed upstream
+    # What the method is made of, read from its code: its source would cost a tokenizer
+    # run inside `import crewai` (about a millisecond, issue 14's activation budget).
+    if not {"run_in_executor", "_increment_usage_count", "_parse_args", "func"} <= names:
         log.warning(
             "crewai's CrewStructuredTool.ainvoke is not the one crewai-idempotent knows; "
             "left as it is (async ReAct calls may not carry the crew's ledger)"
