@@ -126,6 +126,37 @@ def test_two_identical_parallel_native_calls_charge_once(charges: FakeProvider) 
     assert out.raw == f"{receipt}; {receipt}"
 
 
+def test_only_executors_that_drop_the_context_get_a_context_copying_pool() -> None:
+    """crewAI's executors submit parallel native tool calls in a copy of the caller's
+    context from 1.11.0; 1.10.x's do not, and get a pool that does. From 1.14 `import
+    crewai` copies base_agent's namespace, `__file__` included, into the executor modules:
+    a check that read their source read base_agent.py and replaced pools it must not."""
+    import concurrent.futures
+    import importlib
+
+    import crewai
+    from packaging.version import Version
+
+    from crewai_idempotent.integration import _compat
+
+    copies_itself = Version(crewai.__version__) >= Version("1.11.0")
+    pools = {}
+    for name in _compat._EXECUTOR_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if "ThreadPoolExecutor" in vars(module):
+            pools[name] = vars(module)["ThreadPoolExecutor"]
+    assert pools, f"no executor module of crewai {crewai.__version__} has a thread pool"
+    expected = (
+        concurrent.futures.ThreadPoolExecutor
+        if copies_itself
+        else _compat.ContextCopyingThreadPoolExecutor
+    )
+    assert pools == dict.fromkeys(pools, expected)
+
+
 def test_tool_raising_before_charging_is_retried_then_charges_once(
     native: bool, charges: FakeProvider
 ) -> None:
