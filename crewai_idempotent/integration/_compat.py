@@ -243,10 +243,11 @@ def _install_thread_context(set_attr: SetAttr) -> None:
 def _defined_names(module: Any, name: str) -> set[str]:
     """The names used by the functions and methods defined in the module called `name`.
 
-    Not the module's source: from 1.15 `import crewai` copies base_agent's namespace,
-    `__file__` included, into the executor's module, so `inspect.getsource` read
-    base_agent.py, found no `copy_context`, and the executor's own pool (which copies the
-    context already) was replaced. The code objects belong to the module for good.
+    Not the module's source: in 1.14.5 and 1.15.x (at least) `import crewai` copies
+    base_agent's namespace, `__file__` included, into the executor's module, so
+    `inspect.getsource` read base_agent.py, found no `copy_context`, and the executor's own
+    pool (which copies the context already) was replaced. The code objects stay the
+    module's own.
     """
     names: set[str] = set()
     for obj in list(vars(module).values()):
