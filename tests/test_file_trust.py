@@ -204,6 +204,41 @@ def test_file_lock_ledger_deleted_or_replaced_is_refused(
     assert [e["key"] for e in provider.effects()] == ["paid"]
 
 
+def test_file_lock_temporary_files_stay_out_of_the_shard_folders(
+    tmp_path: Path, provider: Provider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shard folders grow with the ledger; the claim's and the commit's temporary files
+    # are made and removed in a small folder of their own (the 1M-record scale figure).
+    folder = tmp_path / "ledger"
+    backend = FileLockCacheBackend(folder)
+    written: list[Path] = []
+    write_temp = backend._write_temp
+
+    def recording(final: Path, record: Any) -> Path:
+        written.append(write_temp(final, record))
+        return written[-1]
+
+    monkeypatch.setattr(backend, "_write_temp", recording)
+    assert (
+        Ledger(backend).run("paid", lambda: provider.charge("paid"))
+        == provider.effects()[0]["receipt"]
+    )
+    assert len(written) == 2  # the claim and the commit
+    assert {path.parent for path in written} == {folder / "tmp"}
+    assert list((folder / "tmp").iterdir()) == []
+    assert [p.suffix for p in (folder / "records").rglob("*") if p.is_file()] == [".json"]
+
+    # A folder an older version made has no tmp/: opening it makes a private one, and the
+    # records it holds replay.
+    shutil.rmtree(folder / "tmp")
+    assert (
+        Ledger(FileLockCacheBackend(folder)).run("paid", lambda: provider.charge("x"))
+        == (provider.effects()[0]["receipt"])
+    )
+    assert stat.S_IMODE((folder / "tmp").stat().st_mode) == 0o700
+    assert [e["key"] for e in provider.effects()] == ["paid"]
+
+
 # -- sticky shared folders (/tmp) --------------------------------------------------------------
 
 

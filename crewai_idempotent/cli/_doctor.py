@@ -97,11 +97,13 @@ def _ledger_facts(where: Where, out: _Report) -> None:
             )
     else:
         out.fact("source", where.source)
-    for path in _local_files(where, out):
-        _mode_facts(path, out)
+    for path, required in _local_files(where, out):
+        _mode_facts(path, required, out)
 
 
-def _local_files(where: Where, out: _Report) -> list[Path]:
+def _local_files(where: Where, out: _Report) -> list[tuple[Path, bool]]:
+    """The ledger's files and folders, each with whether it must exist already (the
+    others are made on first use)."""
     if where.url is None:
         path: Path | None = default_ledger_path()
         scheme = "sqlite"
@@ -115,15 +117,16 @@ def _local_files(where: Where, out: _Report) -> list[Path]:
     if path is None:
         return []
     if scheme == "sqlite":
-        return [path.parent, path, *(Path(f"{path}{suffix}") for suffix in ("-wal", "-shm"))]
-    return [path, path / "records", path / "locks"]
+        sidecars = [(Path(f"{path}{suffix}"), False) for suffix in ("-wal", "-shm")]
+        return [(path.parent, True), (path, True), *sidecars]
+    return [(path, True), (path / "records", True), (path / "locks", True), (path / "tmp", False)]
 
 
-def _mode_facts(path: Path, out: _Report) -> None:
+def _mode_facts(path: Path, required: bool, out: _Report) -> None:
     try:
         info = path.lstat()
     except FileNotFoundError:
-        if not path.name.endswith(("-wal", "-shm")):
+        if required:
             out.problem("file", f"{path} does not exist")
         return
     except OSError as exc:
