@@ -68,8 +68,10 @@ class FileLockCacheBackend(CacheBackend):
         self.allow_insecure_path = allow_insecure_path
         self._records = self.directory / "records"
         self._locks = self.directory / "locks"
-        self._temps = self.directory / "tmp"  # made here for a folder an older version made
-        for folder in (self._records, self._locks, self._temps):
+        # Made with the first write, like the shard folders: a ledger folder an older
+        # version wrote has none, and a read-only look at it must not need one.
+        self._temps = self.directory / "tmp"
+        for folder in (self._records, self._locks):
             private_folder(folder, allow_insecure_path)
         # The open folder keeps its inode number from being handed to a folder created
         # at the same path after a deletion, which would pass the identity check.
@@ -234,6 +236,7 @@ class FileLockCacheBackend(CacheBackend):
 
     def _write_temp(self, final: Path, record: Record) -> Path:
         temp = self._temps / f"{final.name}.{secrets.token_hex(6)}.tmp"
+        self._shard(temp)
         data = record.to_json().encode("utf-8")
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
