@@ -35,11 +35,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ledger import BLOCK, RECEIPT, Raw, _receipt
+from ledger import BLOCK, Raw, _receipt, _records
 
 from crewai_idempotent import Ledger, SQLiteCacheBackend
 from crewai_idempotent._backend import CacheBackend
-from crewai_idempotent._record import Event, Owner, Peek, Record, Status
+from crewai_idempotent._record import Peek, Record, Status
 from crewai_idempotent.backends.sqlite import _GET, _INSERT, _REPLACE
 
 
@@ -68,20 +68,6 @@ class NullStore(CacheBackend):
 
     def close(self) -> None:
         pass
-
-
-def _records(key: str) -> tuple[Record, Record]:
-    now = time.time()
-    owner = Owner("bench-host", os.getpid(), "0123456789")
-    claim = Record(
-        key, Status.PENDING, "", 1, 1, owner, 1, now, now, now + 30, None, None,
-        None, False, (), (Event(now, "claim", 1, owner.label),),
-    )  # fmt: skip
-    commit = claim.settled(
-        Event(now, "commit", 1, owner.label), Status.COMMITTED, now,
-        result={"t": "json", "v": RECEIPT},
-    )  # fmt: skip
-    return claim, commit
 
 
 def measure(mode: str, cycles: int, rounds: int, folder: Path) -> dict[str, float]:

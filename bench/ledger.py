@@ -65,12 +65,12 @@ def _raw_connection(path: Path, synchronous: str) -> sqlite3.Connection:
     return conn
 
 
-def _docs() -> tuple[str, str]:
-    """A claim document and a commit document of the sizes the ledger writes."""
+def _records(key: str) -> tuple[Record, Record]:
+    """A claim record for `key` and its commit, as the ledger writes them."""
     now = time.time()
     owner = Owner("bench-host", os.getpid(), "0123456789")
     claim = Record(
-        "charge:0:0", Status.PENDING, "", 1, 1, owner, 1, now, now, now + 30, None, None,
+        key, Status.PENDING, "", 1, 1, owner, 1, now, now, now + 30, None, None,
         None, False, (), (Event(now, "claim", 1, owner.label),),
     )  # fmt: skip
     commit = claim.settled(
@@ -79,6 +79,12 @@ def _docs() -> tuple[str, str]:
         now,
         result={"t": "json", "v": RECEIPT},
     )
+    return claim, commit
+
+
+def _docs() -> tuple[str, str]:
+    """A claim document and a commit document of the sizes the ledger writes."""
+    claim, commit = _records("charge:0:0")
     return claim.to_json(), commit.to_json()
 
 
