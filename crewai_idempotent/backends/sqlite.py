@@ -201,10 +201,7 @@ class SQLiteCacheBackend(CacheBackend):
         self._gate.open()
 
     def after_fork_in_child(self) -> None:
-        # Threads that waited at the gate or in a batch did not cross the fork: fresh ones.
-        self._gate = Gate()
-        self._group = None if self._group is None else Group(self.busy_timeout_s)
-        self._pid = os.getpid()
+        self._own_process()
         if not self._quiesced and self._connections:
             self._refuse_file(
                 f"an operation on it was still running in the parent (pid {os.getppid()}) "
@@ -223,6 +220,11 @@ class SQLiteCacheBackend(CacheBackend):
         # os.fork() always runs the hooks; a fork made in C (or through ctypes) does not.
         if self._connections:
             self._refuse_file("the fork bypassed os.register_at_fork")
+        self._own_process()
+
+    def _own_process(self) -> None:
+        """In a child: threads that waited at the gate or in a batch did not cross the
+        fork, so both start fresh, and the backend belongs to this process now."""
         self._gate = Gate()
         self._group = None if self._group is None else Group(self.busy_timeout_s)
         self._pid = os.getpid()
