@@ -46,7 +46,7 @@ from ._policy import (
 from ._reconcile import aask, ask
 from ._record import Record, Status, _whoami
 from ._rooms import _Lanes, _Rooms
-from ._steps import _MISSING, Outcome, Step, _Ask, _Call, _Park, _Sleep
+from ._steps import _MISSING, Outcome, Settled, Stage, Step, _Ask, _Call, _Park, _Sleep
 
 # Names other modules import from here: the guard's public face in one place.
 __all__ = [
@@ -55,6 +55,8 @@ __all__ = [
     "Listener",
     "Outcome",
     "Reconciler",
+    "Settled",
+    "Stage",
     "StalePolicy",
     "classify_failure",
     "current_claim",
@@ -149,14 +151,31 @@ class Ledger(_Machine):
         reconcile: Reconciler | None = None,
         on_stale: StalePolicy | None = None,
         wrap_errors: bool = False,
+        stage: Stage | None = None,
     ) -> Outcome[T]:
         """Like `run`, but says whether the value was replayed and returns the record.
 
         With `wrap_errors=True` an exception from the body is raised as `BodyFailed`
         (the body's exception is its `__cause__`) carrying how it was recorded.
+
+        `stage` (a `Stage`: the approval and spend-cap gates) runs once the claim is
+        durable and before the body starts; what it raises is raised as it is, with the
+        claim recorded FAILED, since the body never started.
         """
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
+        return self._execute(key, fn, options, stage, wrap_errors)
+
+    def _execute(
+        self,
+        key: str,
+        fn: Callable[[], T],
+        options: _Options,
+        stage: Stage | None = None,
+        wrap_errors: bool = False,
+    ) -> Outcome[T]:
+        """`execute` with its options resolved and checked (the crewAI guard resolves a
+        tool's once, not on every call)."""
         if self.backend.read_first:
             # The replay's fast path without a trip through the driver: the same peek
             # and the same decision (`_replay`) that `_acquire` makes on the async path.
@@ -172,20 +191,32 @@ class Ledger(_Machine):
         claim: _Claim = acquired
         self._keeper.add(claim)
         try:
+            entered = None if stage is None else self._enter(claim, stage)
             token = _current_claim.set(claim.record)
             try:
                 value = fn()
             except BaseException as exc:
                 failed = self._settle_failure(claim, exc)
+                if stage is not None:
+                    self._settle_stage(
+                        stage, entered, Settled(Status(failed.status), failed.record, failed.reason)
+                    )
                 if wrap_errors and isinstance(exc, Exception):
                     raise failed from exc
                 raise
             finally:
                 _current_claim.reset(token)
             try:
-                return self._drive(self._finish(claim, Status.COMMITTED, value=value))
+                outcome = self._drive(self._finish(claim, Status.COMMITTED, value=value))
             except LedgerUnavailable:
-                return self._unrecorded(claim, value)
+                outcome = self._unrecorded(claim, value)
+            except OutcomeUncertain as exc:  # taken over while the body ran
+                if stage is not None:
+                    self._settle_stage(stage, entered, Settled(Status.COMMITTED, exc.record))
+                raise
+            if stage is not None:
+                self._settle_stage(stage, entered, _committed(claim, outcome))
+            return outcome
         finally:
             self._keeper.remove(claim)
 
@@ -206,17 +237,30 @@ class Ledger(_Machine):
         reconcile: Reconciler | None = None,
         on_stale: StalePolicy | None = None,
         wrap_errors: bool = False,
+        stage: Stage | None = None,
     ) -> Outcome[T]:
-        """Async twin of `execute`. Waiting happens on the event loop; backend calls run on
-        this ledger's own small thread pools, never the loop's default executor."""
+        """Async twin of `execute`. Waiting happens on the event loop; backend calls (the
+        stage's too) run on this ledger's own small thread pools, never the loop's default
+        executor."""
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
+        return await self._aexecute(key, fn, options, stage, wrap_errors)
+
+    async def _aexecute(
+        self,
+        key: str,
+        fn: Callable[[], Awaitable[T]],
+        options: _Options,
+        stage: Stage | None = None,
+        wrap_errors: bool = False,
+    ) -> Outcome[T]:
         acquired = await self._adrive(self._acquire(key, options), self._lanes.io)
         if isinstance(acquired, Outcome):
             return acquired
         claim: _Claim = acquired
         self._keeper.add(claim)
         try:
+            entered = None if stage is None else await self._aenter(claim, stage)
             token = _current_claim.set(claim.record)
             try:
                 value = await fn()
@@ -224,6 +268,9 @@ class Ledger(_Machine):
                 # Recorded even if this task is cancelled again meanwhile: a cancelled
                 # body may have had its effect, and that must not be forgotten.
                 failed = await self._unstoppable(self._settle_failure_async(claim, exc))
+                if stage is not None:
+                    settled = Settled(Status(failed.status), failed.record, failed.reason)
+                    await self._asettle_stage(stage, entered, settled)
                 if wrap_errors and isinstance(exc, Exception):
                     raise failed from exc
                 raise
@@ -231,11 +278,80 @@ class Ledger(_Machine):
                 _current_claim.reset(token)
             finish = self._finish(claim, Status.COMMITTED, value=value)
             try:
-                return await self._unstoppable(self._adrive(finish, self._lanes.settle))
+                outcome = await self._unstoppable(self._adrive(finish, self._lanes.settle))
             except LedgerUnavailable:
-                return self._unrecorded(claim, value)
+                outcome = self._unrecorded(claim, value)
+            except OutcomeUncertain as exc:  # taken over while the body ran
+                if stage is not None:
+                    await self._asettle_stage(stage, entered, Settled(Status.COMMITTED, exc.record))
+                raise
+            if stage is not None:
+                await self._asettle_stage(stage, entered, _committed(claim, outcome))
+            return outcome
         finally:
             self._keeper.remove(claim)
+
+    # -- the stage between the claim and the body ------------------------------------
+
+    def _enter(self, claim: _Claim, stage: Stage) -> Any:
+        try:
+            steps = stage.enter(claim.record, self.backend, self._monotonic)
+            return None if steps is None else self._drive(steps)
+        except BaseException as exc:
+            self._refused(claim, exc)
+            raise
+
+    async def _aenter(self, claim: _Claim, stage: Stage) -> Any:
+        try:
+            steps = stage.enter(claim.record, self.backend, self._monotonic)
+            return None if steps is None else await self._adrive(steps, self._lanes.io)
+        except BaseException as exc:
+            # Recorded even if this task is cancelled meanwhile, like a failed body.
+            await self._unstoppable(self._arefused(claim, exc))
+            raise
+
+    def _refused(self, claim: _Claim, exc: BaseException) -> None:
+        """The stage refused (or was interrupted): the body never started, so the claim
+        is FAILED and the next attempt may run (after an approval, once a budget allows)."""
+        try:
+            self._drive(self._finish(claim, Status.FAILED, reason=_refusal(exc)))
+        except Exception:  # the stage's own exception is raised; the lease lapses
+            log.exception("could not record the refusal of %r", claim.record.key)
+
+    async def _arefused(self, claim: _Claim, exc: BaseException) -> None:
+        finish = self._finish(claim, Status.FAILED, reason=_refusal(exc))
+        try:
+            await self._adrive(finish, self._lanes.settle)
+        except Exception:
+            log.exception("could not record the refusal of %r", claim.record.key)
+
+    def _settle_stage(self, stage: Stage, entered: Any, settled: Settled) -> None:
+        steps = self._settling(stage, entered, settled)
+        if steps is not None:
+            try:
+                self._drive(steps)
+            except Exception:
+                log.exception("the stage could not settle %r", settled.record or "a claim")
+
+    async def _asettle_stage(self, stage: Stage, entered: Any, settled: Settled) -> None:
+        """`_settle_stage` on the event loop, finished even if the caller is cancelled."""
+        steps = self._settling(stage, entered, settled)
+        if steps is not None:
+            await self._unstoppable(self._adrive_logged(steps, settled))
+
+    def _settling(self, stage: Stage, entered: Any, settled: Settled) -> Step[None] | None:
+        # Never lets book-keeping change an outcome that is already recorded.
+        try:
+            return stage.settle(entered, settled, self.backend)
+        except Exception:
+            log.exception("the stage could not settle %r", settled.record or "a claim")
+            return None
+
+    async def _adrive_logged(self, steps: Step[None], settled: Settled) -> None:
+        try:
+            await self._adrive(steps, self._lanes.settle)
+        except Exception:
+            log.exception("the stage could not settle %r", settled.record or "a claim")
 
     async def _unstoppable(self, work: Awaitable[T]) -> T:
         """Finish `work` (a commit or a failure record) even if the caller is cancelled."""
@@ -320,6 +436,19 @@ class Ledger(_Machine):
         if not isinstance(fingerprint, str):
             raise TypeError("fingerprint must be a str (see crewai_idempotent.fingerprint)")
         return _Options(fingerprint, args, wait_s, lease_s, ttl, reconcile, policy)
+
+    def _call_options(
+        self,
+        wait_s: float | None,
+        lease_s: float | None,
+        ttl: float | None,
+        reconcile: Reconciler | None,
+        on_stale: StalePolicy | None,
+    ) -> _Options:
+        """The options of every call made with these settings, checked once (None: this
+        ledger's own); a call fills in its fingerprint and arguments (`_Options.of_call`)."""
+        return self._options("", None, wait_s, lease_s, _MISSING if ttl is None else ttl,
+                             reconcile, on_stale)  # fmt: skip
 
     def _unrecorded(self, claim: _Claim, value: Any) -> Outcome[Any]:
         # The effect happened and its receipt is in hand, so the caller gets it. The record
@@ -467,6 +596,19 @@ class Ledger(_Machine):
         error = LedgerUnavailable(f"{self.backend!r}: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return error
+
+
+def _committed(claim: _Claim, outcome: Outcome[Any]) -> Settled:
+    """The body returned: its commit as stored, or None when the record is still the
+    claim (the commit could not be stored)."""
+    record = outcome.record
+    return Settled(Status.COMMITTED, None if record is claim.record else record)
+
+
+def _refusal(exc: BaseException) -> str:
+    if isinstance(exc, Exception):
+        return f"{type(exc).__name__}: {exc}"
+    return f"interrupted by {type(exc).__name__} before the body started"
 
 
 def _settled(outcome: Outcome[Any], status: Status) -> Record | None:

@@ -62,3 +62,9 @@ class _Options:
     ttl: float | None
     reconcile: Reconciler | None
     on_stale: StalePolicy
+
+    def of_call(self, fingerprint: str, args: Any) -> _Options:
+        """These options for one call: its fingerprint and arguments filled in."""
+        return _Options(
+            fingerprint, args, self.wait_s, self.lease_s, self.ttl, self.reconcile, self.on_stale
+        )

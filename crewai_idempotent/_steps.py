@@ -1,19 +1,25 @@
-"""What the decisions yield and what a guarded call returns.
+"""What the decisions yield, what a guarded call returns, and the stage before a body.
 
 The decisions (`_machine`) are generators that yield the blocking steps they need and
 receive their results: `_Call` a backend, `_Sleep`, `_Park` until news of a key, `_Ask`
 a reconciler. The drivers (`Ledger._drive` in the calling thread, `Ledger._adrive` on an
 event loop) perform them; a decision never blocks by itself.
+
+A `Stage` (the approval and spend-cap gates) is written the same way: the ledger drives
+it between the claim and the body, on the same drivers, pools and clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._policy import Reconciler
-from ._record import Peek, Record
+from ._record import Peek, Record, Status
 from ._rooms import _Room
+
+if TYPE_CHECKING:
+    from ._backend import CacheBackend
 
 T = TypeVar("T")
 
@@ -91,3 +97,43 @@ class _Ask:
 
 
 Step = Generator[_Call | _Sleep | _Park | _Ask, Any, T]
+
+
+class Settled:
+    """How a claim's body ended, as the ledger recorded it: what a `Stage` settles on.
+
+    `status` is what the ledger recorded, or meant to: COMMITTED (the body returned),
+    FAILED (it raised an ordinary exception) or UNCERTAIN (its effect may have happened).
+    `record` is the record as stored, or None when it could not be stored or another
+    owner had taken the claim over; `reason` says why a body failed.
+    """
+
+    __slots__ = ("reason", "record", "status")
+
+    def __init__(self, status: Status, record: Record | None, reason: str | None = None) -> None:
+        self.status, self.record, self.reason = status, record, reason
+
+    def __repr__(self) -> str:
+        return f"Settled({self.status.value}, record={self.record!r}, reason={self.reason!r})"
+
+
+class Stage(Protocol):
+    """What the ledger runs between a durable claim and its body, and after the body.
+
+    `enter` is given the claim (the PENDING record, fencing token and all), the store
+    and the ledger's monotonic clock, and returns the steps to drive (a generator that
+    yields steps like a decision does, so either driver runs it on the ledger's own pools
+    and clock) or None when there is nothing to wait for. Raising, in `enter` or in its
+    steps, refuses the call: the ledger records the claim FAILED (the body never started)
+    and raises it. What the steps return is handed to `settle` once the body's outcome is
+    recorded; `settle` returns steps too (or None), which may write to the store but never
+    change that outcome (the ledger logs what they raise).
+    """
+
+    def enter(
+        self, claim: Record, backend: CacheBackend, monotonic: Callable[[], float]
+    ) -> Step[Any] | None: ...
+
+    def settle(
+        self, entered: Any, settled: Settled, backend: CacheBackend
+    ) -> Step[None] | None: ...

@@ -35,7 +35,7 @@ from crewai_idempotent._errors import (
     OutcomeUncertain,
     SpendCapExceeded,
 )
-from crewai_idempotent._gating import Plan, arun, run
+from crewai_idempotent._gating import Plan
 from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where
 from tests.approver import approve_first_pending
 from tests.conftest import DURABLE_BACKENDS
@@ -66,8 +66,9 @@ def _pay(ledger: Ledger, provider: Provider, key: str, cents: int, **extra: Any)
     plan = _plan(cents, **extra)
     return ledger.run(
         key,
-        lambda: run(ledger.backend, plan, lambda: provider.charge(key)),
+        lambda: provider.charge(key),
         fingerprint=plan.fingerprint,
+        stage=plan,
     )
 
 
@@ -218,7 +219,7 @@ def test_sigkill_after_approval_before_the_body_loses_nothing(
             os.kill(os.getpid(), signal.SIGKILL)  # the gates passed; the charge never starts
             return provider.charge("inv-5")
 
-        child.run("inv-5", lambda: run(child.backend, plan, body), fingerprint=plan.fingerprint)
+        child.run("inv-5", body, fingerprint=plan.fingerprint, stage=plan)
 
     assert _in_child(killed_before_the_effect) == -signal.SIGKILL
     assert approvals.get(asked.value.request_id).state is ApprovalState.USED
@@ -357,9 +358,7 @@ def test_async_waiting_polls_without_blocking_the_loop(
 
     async def main() -> Any:
         paid, _ = await asyncio.gather(
-            ledger.arun(
-                "inv-async", lambda: arun(backend, plan, body), fingerprint=plan.fingerprint
-            ),
+            ledger.arun("inv-async", body, fingerprint=plan.fingerprint, stage=plan),
             approve_first_pending(backend, poll_s=0.02),  # on the waiting call's loop
         )
         return paid

@@ -16,7 +16,7 @@ import pytest
 
 from crewai_idempotent import CacheBackend, Ledger, OutcomeUnknown, Status, backend_from_url
 from crewai_idempotent._errors import OutcomeUncertain, SpendCapExceeded
-from crewai_idempotent._gating import Plan, run
+from crewai_idempotent._gating import Plan
 from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where, windows
 from tests.conftest import DURABLE_BACKENDS
 from tests.faults.provider import Provider
@@ -40,8 +40,9 @@ def _pay(ledger: Ledger, provider: Provider, key: str, amount: int, caps: list[S
     plan = _plan(key, amount, caps)
     return ledger.run(
         key,
-        lambda: run(ledger.backend, plan, lambda: provider.charge(key)),
+        lambda: provider.charge(key),
         fingerprint=plan.fingerprint,
+        stage=plan,
     )
 
 
@@ -53,7 +54,7 @@ def _time_out(ledger: Ledger, key: str, amount: int, caps: list[SpendCap]) -> No
         raise OutcomeUnknown("provider timed out")
 
     with pytest.raises(OutcomeUnknown):
-        ledger.run(key, lambda: run(ledger.backend, plan, timed_out), fingerprint=plan.fingerprint)
+        ledger.run(key, timed_out, fingerprint=plan.fingerprint, stage=plan)
 
 
 def _budget(backend: CacheBackend) -> tuple[int, int]:
@@ -100,7 +101,7 @@ def test_a_failed_call_releases_its_reservation(backend: CacheBackend, tmp_path:
         raise ValueError("card declined")
 
     with pytest.raises(ValueError):
-        ledger.run("inv-1", lambda: run(backend, plan, declined), fingerprint=plan.fingerprint)
+        ledger.run("inv-1", declined, fingerprint=plan.fingerprint, stage=plan)
     assert _budget(backend) == (0, 0)
 
 
@@ -155,8 +156,9 @@ def test_several_caps_reserve_in_all_or_none(backend: CacheBackend, tmp_path: Pa
     with pytest.raises(SpendCapExceeded) as refused:
         ledger.run(
             "inv-3",
-            lambda: run(backend, plan, lambda: provider.charge("inv-3")),
+            lambda: provider.charge("inv-3"),
             fingerprint="fp-x",
+            stage=plan,
         )
     assert "day-EUR" in refused.value.cap and refused.value.spent == 150
     assert [e["key"] for e in provider.effects()] == ["inv-1"]
@@ -167,9 +169,7 @@ def test_other_currencies_do_not_count(backend: CacheBackend, tmp_path: Path) ->
     ledger = Ledger(backend)
     cap = SpendCap(100, "EUR")
     plan = Plan("pay", "fp-usd", Money(5000, "USD"), [("pay", cap)])
-    ledger.run(
-        "usd-1", lambda: run(backend, plan, lambda: provider.charge("usd-1")), fingerprint="fp-usd"
-    )
+    ledger.run("usd-1", lambda: provider.charge("usd-1"), fingerprint="fp-usd", stage=plan)
     assert SpendLedger(backend).budgets() == []
     assert len(provider.effects()) == 1
 
