@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
@@ -125,6 +125,8 @@ class _State:
         self.global_key: tuple[Any, Any] | None = None
         self.global_instruments: _Instruments | None = None
         self.api: tuple[Any, Any] | None = None
+        # A cheaper way to tell that `api` would return the API's proxies (see _unset_check).
+        self.unset: tuple[Any, Callable[[], bool] | None] | None = None
 
 
 _state = _State()
@@ -170,6 +172,10 @@ def _instruments() -> _Instruments | None:
         except ImportError:
             return None
         _state.api = api = (trace.get_tracer_provider, metrics.get_meter_provider)
+        _state.unset = (api, _unset_check(trace, metrics))
+    unset = _state.unset
+    if unset is not None and unset[0] is api and unset[1] is not None and unset[1]():
+        return None  # no global provider yet: the API's proxies, never configured
     key = (api[0](), api[1]())
     if key == _state.global_key:
         return _state.global_instruments  # decided when these providers were first seen
@@ -181,6 +187,23 @@ def _instruments() -> _Instruments | None:
     with _state.lock:
         _state.global_key, _state.global_instruments = key, instruments
     return instruments
+
+
+def _unset_check(trace: Any, metrics: Any) -> Callable[[], bool] | None:
+    """A check that no global provider is set, without the API's getters: while none is,
+    each getter looks in the environment for a provider to load, on every guarded call.
+    None (use the getters) where the API keeps its globals elsewhere, or where the
+    environment names a provider to load."""
+    internal = sys.modules.get("opentelemetry.metrics._internal")
+    if (
+        not hasattr(trace, "_TRACER_PROVIDER")
+        or internal is None
+        or not hasattr(internal, "_METER_PROVIDER")
+        or "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+        or "OTEL_PYTHON_METER_PROVIDER" in os.environ
+    ):
+        return None
+    return lambda: trace._TRACER_PROVIDER is None and internal._METER_PROVIDER is None
 
 
 # -- one guarded call ------------------------------------------------------------------

@@ -19,7 +19,7 @@ from crewai_idempotent import (
     Status,
     configure,
 )
-from crewai_idempotent.integration._config import ToolOptions, resolve
+from crewai_idempotent.integration._config import ToolOptions, settings_for
 from crewai_idempotent.integration._ledgers import default_ledger_path
 from tests.crewai_support.crews import charge_tool, payment_crew, scripted
 from tests.crewai_support.provider import FakeProvider
@@ -112,18 +112,19 @@ def test_option_precedence_tool_crew_configure() -> None:
     crew = IdempotencyConfig(wait_s=2, idempotency_key="crew:{fingerprint}")
     tool = ToolOptions(wait_s=1)
 
-    settings = resolve(tool, crew)
-    assert settings.wait_s == 1  # tool
+    settings = settings_for("pay", tool, crew)
+    assert settings.options.wait_s == 1  # tool
     assert settings.idempotency_key == "crew:{fingerprint}"  # crew
-    assert (settings.lease_s, settings.ttl, settings.on_uncertain) == (40, 100, "report")
+    options = settings.options
+    assert (options.lease_s, options.ttl, settings.on_uncertain) == (40, 100, "report")
     assert settings.ledger.backend is configured  # configure()'s, the crew setting none
 
     configure(None)
-    defaults = resolve(ToolOptions(), None)
+    defaults = settings_for("pay", ToolOptions(), None)
     assert defaults.on_uncertain == "raise"
     default = defaults.ledger.backend
     assert isinstance(default, SQLiteCacheBackend) and default.path == default_ledger_path()
-    assert "ttl" not in defaults.ledger_options()  # unset: the ledger's default applies
+    assert defaults.options.ttl is defaults.ledger.ttl  # unset: the ledger's default applies
 
 
 def test_crew_key_template_applies_to_tools_without_one(charges: FakeProvider) -> None:

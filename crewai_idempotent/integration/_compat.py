@@ -114,6 +114,43 @@ def failure_is_timeout(failure: Any) -> bool:
     return bool((isinstance(code, str) and _TIMEOUT_WORDS.search(code)) or details.get("timeout"))
 
 
+# -- the event bus ---------------------------------------------------------------------
+
+
+def bus_listens(event_type: type) -> bool:
+    """Whether an event of `event_type` emitted now would reach anyone: a handler for the
+    type, the run's recorded state (crewai >= 1.14, inside a kickoff), or a stream sink
+    (crewai >= 1.15). Built only then, since a guarded replay would otherwise spend most
+    of its time building an event nobody reads. Anything unexpected says yes."""
+    try:
+        bus = _bus()
+        if bus._sync_handlers.get(event_type) or bus._async_handlers.get(event_type):
+            return True
+        if getattr(bus, "runtime_state", None) is not None:
+            return True
+        sinks = _stream_sinks()
+        return sinks is not None and bool(sinks.get())
+    except Exception:  # noqa: BLE001 - a bus we do not know: emit, as before
+        return True
+
+
+@functools.cache
+def _bus() -> Any:
+    from crewai.events.event_bus import crewai_event_bus
+
+    return crewai_event_bus
+
+
+@functools.cache
+def _stream_sinks() -> contextvars.ContextVar[Any] | None:
+    try:
+        from crewai.events import stream_context
+    except ImportError:
+        return None
+    sinks = getattr(stream_context, "_stream_sinks", None)
+    return sinks if isinstance(sinks, contextvars.ContextVar) else None
+
+
 # -- paths -----------------------------------------------------------------------------
 
 

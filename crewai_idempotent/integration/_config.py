@@ -11,13 +11,16 @@ that cannot hold a ledger) raises `LedgerConfigurationError` where it is given:
 `Crew(...)` and at the first guarded call; a bad value stops the kickoff there, as an
 uncertain outcome does, instead of becoming a tool error the model reads.
 
-Every option is checked here where it is given (approval gates and spend caps included);
-`_ledgers` opens and keeps the ledgers, `_gates` applies the gates at a call.
+Every option is checked here where it is given (approval gates and spend caps included).
+What a call uses is resolved once per tool, crew and `configure()` (`settings_for`) and
+reused by every later call until one of them, or the environment it read, changes;
+`_ledgers` opens and keeps the ledgers, `_gates` turns the gate options into a call's gates.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -27,8 +30,9 @@ from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._keys import fingerprint as _fingerprint
 from .._ledger import Ledger
-from .._policy import StalePolicy, check_seconds
+from .._policy import StalePolicy, _Options, check_seconds
 from .._spend import SpendCap
+from ._gates import GateRules, gate_rules
 from ._ledgers import URL_ENV, announce, backend_from, default_backend, env_backend, ledger_for
 
 if TYPE_CHECKING:
@@ -213,6 +217,8 @@ class ToolOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.idempotent, bool):
             raise TypeError(f"idempotent must be True or False, not {self.idempotent!r}")
+        # What calls of this tool resolved (`settings_for`); not a field, never copied.
+        object.__setattr__(self, "_resolved", _Resolved())
         _check_tool_gates(self)
         _check_key_spec("idempotency_key", self.idempotency_key)
         _check_seconds("wait_s", self.wait_s)
@@ -268,6 +274,7 @@ OPTION_NAMES = tuple(f.name for f in fields(ToolOptions))
 
 _lock = threading.RLock()
 _process_config: IdempotencyConfig | None = None
+_generation = 0  # grows whenever resolved settings may be out of date
 
 
 def configure(
@@ -286,12 +293,20 @@ def configure(
     new = config if config is not None else (IdempotencyConfig(**settings) if settings else None)
     with _lock:
         previous, _process_config = _process_config, new
+        forget_settings()
     return previous
 
 
 def process_config() -> IdempotencyConfig | None:
     """What `configure()` set, if anything."""
     return _process_config
+
+
+def forget_settings() -> None:
+    """Make every tool resolve its settings again at its next call (after `configure()`,
+    or after the ledgers opened so far were closed)."""
+    global _generation
+    _generation += 1
 
 
 def check_crew_ledger(crew: IdempotencyConfig | None) -> None:
@@ -303,36 +318,97 @@ def check_crew_ledger(crew: IdempotencyConfig | None) -> None:
     env_backend()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Settings:
-    """The options in force for one guarded call, and where the backend came from."""
+    """What calls of one tool use under one crew and `configure()`: the ledger, the key
+    template, the ledger's options (each call fills in its fingerprint and arguments) and
+    the gate options, if any level sets one."""
 
     ledger: Ledger
     idempotency_key: KeySpec | None
-    wait_s: float | None
-    lease_s: float | None
-    ttl: float | None
-    reconcile: Reconciler | None
-    on_stale: StalePolicy | None
     on_uncertain: OnUncertain
-
-    def ledger_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {
-            "wait_s": self.wait_s,
-            "lease_s": self.lease_s,
-            "reconcile": self.reconcile,
-            "on_stale": self.on_stale,
-        }
-        if self.ttl is not None:  # unset: the ledger's own default applies
-            options["ttl"] = self.ttl
-        return options
+    options: _Options
+    gates: GateRules | None
 
 
-def resolve(tool: ToolOptions, crew: IdempotencyConfig | None) -> Settings:
-    """Merge tool > crew > configure() > environment > default.
+class _Resolved:
+    """A tool's resolved settings, per crew config. Copying a tool (crewai deep-copies
+    agents and their tools) or pickling it starts the copy empty: the entries hold open
+    ledgers, which are not the copy's to share by accident of a shallow copy."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, int], _Entry] = {}
+
+    def __deepcopy__(self, memo: Any) -> _Resolved:
+        return _Resolved()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Resolved, ())
+
+
+_MAX_ENTRIES = 32  # crews per tool kept at once; beyond that, older ones resolve again
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    settings: Settings
+    crew: IdempotencyConfig | None
+    generation: int
+    source: str
+    read: Any  # what the source's choice depended on in the environment, if anything
+
+    def current(self, crew: IdempotencyConfig | None) -> bool:
+        if self.crew is not crew or self.generation != _generation:
+            return False
+        if self.source == URL_ENV:
+            return _env_url() == self.read
+        if self.source == "default":
+            return _default_place() == self.read
+        return True
+
+
+def _env_url() -> str:
+    return os.environ.get(URL_ENV, "").strip()
+
+
+def _default_place() -> tuple[Any, ...]:
+    # What the default ledger's path is made of (crewai's storage folder): no URL in the
+    # environment, the project folder (CREWAI_STORAGE_DIR, else the current directory's
+    # name) and the user data folder's variables. Cheaper than asking crewai for the path,
+    # which creates the folder on every call.
+    env = os.environ
+    return (
+        _env_url(), env.get("CREWAI_STORAGE_DIR"), os.getcwd(), env.get("HOME"),
+        env.get("XDG_DATA_HOME"), env.get("APPDATA"), env.get("LOCALAPPDATA"),
+    )  # fmt: skip
+
+
+def settings_for(tool_name: str, tool: ToolOptions, crew: IdempotencyConfig | None) -> Settings:
+    """The settings a call of `tool` (named `tool_name`) uses under `crew`: resolved once,
+    then reused while the tool, the crew, `configure()` and the environment the choice
+    of ledger read stay the same.
 
     `LedgerConfigurationError` if the ledger that applies cannot be used (the guard
-    carries it out to the kickoff)."""
+    carries it out to the kickoff); nothing is kept then, so the next call tries again."""
+    cache: _Resolved = tool._resolved  # type: ignore[attr-defined]
+    slot = (tool_name, id(crew))
+    entry = cache.entries.get(slot)
+    if entry is not None and entry.current(crew):
+        return entry.settings
+    generation = _generation
+    settings, source, read = _resolve(tool_name, tool, crew)
+    if len(cache.entries) >= _MAX_ENTRIES:
+        cache.entries.clear()
+    cache.entries[slot] = _Entry(settings, crew, generation, source, read)
+    return settings
+
+
+def _resolve(
+    tool_name: str, tool: ToolOptions, crew: IdempotencyConfig | None
+) -> tuple[Settings, str, Any]:
+    """Merge tool > crew > configure() > environment > default."""
     levels = [(label, c) for label, c in (("crew", crew), ("configure()", _process_config)) if c]
 
     def pick(name: str) -> Any:
@@ -347,13 +423,16 @@ def resolve(tool: ToolOptions, crew: IdempotencyConfig | None) -> Settings:
 
     backend: CacheBackend | None = None
     source = ""
+    read: Any = None
     for label, config in levels:
         if config.backend is not None:
             backend, source = backend_from(config.backend), label
             break
     if backend is None:
+        read = _env_url()
         backend, source = env_backend(), URL_ENV
     if backend is None:
+        read = _default_place()
         try:
             backend, source = default_backend(), "default"
         except LedgerUnavailable as exc:
@@ -361,17 +440,18 @@ def resolve(tool: ToolOptions, crew: IdempotencyConfig | None) -> Settings:
                 f"the default ledger cannot be used: {exc}. Set {URL_ENV} or configure(backend=...)"
             ) from exc
     announce(source, backend)
-    ttl = pick("ttl")
-    return Settings(
-        ledger=ledger_for(backend),
-        idempotency_key=pick("idempotency_key"),
-        wait_s=pick("wait_s"),
-        lease_s=pick("lease_s"),
-        ttl=ttl,
-        reconcile=tool.reconcile,
-        on_stale=pick("on_stale"),
-        on_uncertain=pick("on_uncertain") or "raise",
+    ledger = ledger_for(backend)
+    options = ledger._call_options(
+        pick("wait_s"), pick("lease_s"), pick("ttl"), tool.reconcile, pick("on_stale")
     )
+    settings = Settings(
+        ledger=ledger,
+        idempotency_key=pick("idempotency_key"),
+        on_uncertain=pick("on_uncertain") or "raise",
+        options=options,
+        gates=gate_rules(tool, [config for _, config in levels], tool_name),
+    )
+    return settings, source, read
 
 
 def merge_crew_settings(

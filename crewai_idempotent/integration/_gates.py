@@ -12,26 +12,24 @@ Options (on `@tool(...)`, `BaseTool` fields, `idempotent(tool, ...)`; a crew or
 - `approval_wait_s`: wait that long for a decision (polling the ledger) before stopping;
 - `redact`: argument names whose values the stored request hides.
 
-The options are checked where they are given (`_config`); this module decides, at each
-call, which gates apply and runs the body through them (`_gating`).
+The options are checked where they are given (`_config`); `gate_rules` merges them once
+per tool, crew and `configure()`, and `GateRules.plan` decides at each call which gates
+apply, as a `_gating.Plan`: the stage the ledger drives between the claim and the body.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from .. import _approvals, _gating
-from .._backend import CacheBackend
 from .._errors import ApprovalDenied, ApprovalRequired, SpendCapExceeded
 from .._spend import Money, SpendCap, Where
 from ._call import halting
 
 if TYPE_CHECKING:
     from ._config import IdempotencyConfig, ToolOptions
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +51,10 @@ class Gates:
     on_approval: str
 
 
-# -- one call ---------------------------------------------------------------------------
+# -- the options of one tool, merged once ------------------------------------------------
 
 
-def _pick(name: str, tool: Any, levels: list[Any]) -> Any:
+def _pick(name: str, tool: Any, levels: Sequence[Any]) -> Any:
     value = getattr(tool, name, None)
     if value is not None:
         return value
@@ -67,7 +65,7 @@ def _pick(name: str, tool: Any, levels: list[Any]) -> Any:
     return None
 
 
-def _by_tool(name: str, tool_name: str, levels: list[Any]) -> Any:
+def _by_tool(name: str, tool_name: str, levels: Sequence[Any]) -> Any:
     for config in levels:
         table = getattr(config, name, None)
         if table is not None and tool_name in table:
@@ -75,106 +73,112 @@ def _by_tool(name: str, tool_name: str, levels: list[Any]) -> Any:
     return None
 
 
-def plan(
-    options: ToolOptions,
-    crew_config: IdempotencyConfig | None,
-    process_config: IdempotencyConfig | None,
-    tool_name: str,
-    key: str,
-    fingerprint: str,
-    arguments: dict[str, Any],
-    ctx: GateContext,
-) -> Gates | None:
-    """The gates of one call, or None when it has none. A rule that cannot be evaluated
-    refuses the call (TypeError): nothing was run."""
+@dataclass(frozen=True, slots=True)
+class GateRules:
+    """The gate options in force for one tool under one crew and `configure()`."""
+
+    tool: str
+    approval: bool | Callable[[dict[str, Any], Any], bool] | None
+    spend: Callable[[dict[str, Any]], Any] | None
+    caps: tuple[tuple[str, SpendCap], ...]
+    on_approval: str
+    approval_wait_s: float
+    redact: tuple[str, ...]
+
+    def plan(
+        self, key: str, fingerprint: str, arguments: dict[str, Any], ctx: GateContext
+    ) -> Gates | None:
+        """The gates of one call, or None when none applies. A rule that cannot be
+        evaluated refuses the call (TypeError): nothing was run."""
+        tool_name = self.tool
+        approval = self.approval
+        needs_approval = False
+        reason = ""
+        if approval is True:
+            needs_approval, reason = True, f"tool {tool_name!r} always requires approval"
+        elif callable(approval):
+            try:
+                answer = approval(dict(arguments), ctx)
+            except Exception as exc:
+                raise TypeError(
+                    f"tool {tool_name!r}: the approval rule raised {type(exc).__name__}: "
+                    f"{exc}; nothing was run"
+                ) from exc
+            if not isinstance(answer, bool):
+                raise TypeError(
+                    f"tool {tool_name!r}: the approval rule returned {answer!r}, not True or "
+                    "False; nothing was run"
+                )
+            needs_approval, reason = answer, f"the approval rule of tool {tool_name!r} matched"
+
+        amount: Money | None = None
+        caps = self.caps
+        if self.spend is not None:
+            try:
+                amount = self.spend(dict(arguments))
+            except Exception as exc:
+                raise TypeError(
+                    f"tool {tool_name!r}: the spend callable raised {type(exc).__name__}: "
+                    f"{exc}; nothing was run"
+                ) from exc
+            if not isinstance(amount, Money):
+                raise TypeError(
+                    f"tool {tool_name!r}: spend must return a Money(amount_minor_units, "
+                    f"currency), not {amount!r}; nothing was run"
+                )
+            if caps and not any(c.currency == amount.currency for _, c in caps):
+                raise SpendCapExceeded(key, f"no cap in {amount.currency}", amount.amount,
+                                       amount.currency, 0, 0, 0)  # fmt: skip
+        if not needs_approval and (amount is None or not caps):
+            return None
+        gated = _gating.Plan(
+            tool=tool_name,
+            fingerprint=fingerprint,
+            amount=amount,
+            caps=caps,
+            where=Where(kickoff=ctx.kickoff, crew=ctx.crew, task=ctx.task),
+            approval=needs_approval,
+            approval_reason=reason,
+            summary=_approvals.summarize(arguments, self.redact),
+            approval_wait_s=self.approval_wait_s,
+        )
+        return Gates(gated, self.on_approval)
+
+
+def gate_rules(
+    options: ToolOptions, levels: Sequence[IdempotencyConfig], tool_name: str
+) -> GateRules | None:
+    """The gate options of `tool_name` merged over the tool, then the crew and
+    `configure()` (`levels`, nearest first), or None when no level sets any gate."""
     if (
         options.approval is None
         and options.spend is None
-        and (crew_config is None or (crew_config.approval is None and crew_config.spend is None))
-        and (
-            process_config is None
-            or (process_config.approval is None and process_config.spend is None)
-        )
+        and all(config.approval is None and config.spend is None for config in levels)
     ):
-        return None  # the common case, on every guarded call: no gate anywhere
-    levels = [c for c in (crew_config, process_config) if c is not None]
+        return None  # the common case: no gate anywhere
     approval = options.approval
     if approval is None:
         approval = _by_tool("approval", tool_name, levels)
     spend = options.spend
     if spend is None:
         spend = _by_tool("spend", tool_name, levels)
+    if not approval and spend is None:
+        return None
     caps: list[tuple[str, SpendCap]] = [(tool_name, c) for c in options.caps or ()]
     for config in levels:
         caps += [("crew", c) for c in config.caps or ()]
         if config.caps:
             break  # the nearest level that sets caps
-    if not approval and spend is None:
-        return None
-
-    needs_approval = False
-    reason = ""
-    if approval is True:
-        needs_approval, reason = True, f"tool {tool_name!r} always requires approval"
-    elif callable(approval):
-        try:
-            answer = approval(dict(arguments), ctx)
-        except Exception as exc:
-            raise TypeError(
-                f"tool {tool_name!r}: the approval rule raised {type(exc).__name__}: {exc}; "
-                "nothing was run"
-            ) from exc
-        if not isinstance(answer, bool):
-            raise TypeError(
-                f"tool {tool_name!r}: the approval rule returned {answer!r}, not True or "
-                "False; nothing was run"
-            )
-        needs_approval, reason = answer, f"the approval rule of tool {tool_name!r} matched"
-
-    amount: Money | None = None
-    if spend is not None:
-        try:
-            amount = spend(dict(arguments))
-        except Exception as exc:
-            raise TypeError(
-                f"tool {tool_name!r}: the spend callable raised {type(exc).__name__}: {exc}; "
-                "nothing was run"
-            ) from exc
-        if not isinstance(amount, Money):
-            raise TypeError(
-                f"tool {tool_name!r}: spend must return a Money(amount_minor_units, currency), "
-                f"not {amount!r}; nothing was run"
-            )
-        if caps and not any(c.currency == amount.currency for _, c in caps):
-            raise SpendCapExceeded(key, f"no cap in {amount.currency}", amount.amount,
-                                   amount.currency, 0, 0, 0)  # fmt: skip
-    if not needs_approval and (amount is None or not caps):
-        return None
     wait_s = _pick("approval_wait_s", options, levels)
-    gated = _gating.Plan(
+    return GateRules(
         tool=tool_name,
-        fingerprint=fingerprint,
-        amount=amount,
-        caps=caps,
-        where=Where(kickoff=ctx.kickoff, crew=ctx.crew, task=ctx.task),
-        approval=needs_approval,
-        approval_reason=reason,
-        summary=_approvals.summarize(arguments, options.redact or ()),
+        approval=approval,
+        spend=spend,
+        caps=tuple(caps),
+        on_approval=_pick("on_approval", options, levels) or "raise",
         approval_wait_s=float(wait_s or 0.0),
+        redact=tuple(options.redact or ()),
     )
-    return Gates(gated, _pick("on_approval", options, levels) or "raise")
-
-
-def run(gates: Gates | None, backend: CacheBackend, body: Callable[[], T]) -> T:
-    if gates is None:
-        return body()
-    return _gating.run(backend, gates.plan, body)
-
-
-async def arun(gates: Gates | None, backend: CacheBackend, body: Callable[[], Awaitable[T]]) -> T:
-    if gates is None:
-        return await body()
-    return await _gating.arun(backend, gates.plan, body)
 
 
 def refused(gates: Gates | None, cause: Exception) -> BaseException:
@@ -190,8 +194,9 @@ __all__ = [
     "ApprovalDenied",
     "ApprovalRequired",
     "GateContext",
+    "GateRules",
     "Money",
     "SpendCap",
     "SpendCapExceeded",
-    "plan",
+    "gate_rules",
 ]

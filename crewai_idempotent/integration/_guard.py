@@ -4,6 +4,13 @@ It sits at the innermost callable (a `Tool`'s function, a class tool's `_run`/`_
 so every crewai path reaches it: ReAct, native function calling (parallel calls too),
 the step executor, LiteAgent, flow tool actions, adapters and direct `tool.run()`.
 
+One pass down and one back up: `_prepare` binds the arguments, fingerprints them, takes
+the tool's resolved settings (`_config.settings_for`) and derives the key, once each;
+the ledger then claims, drives this call's `Guarded` stage (the claim event, then the
+gates) and runs the body; on the way back `_succeeded` or `_unsucceeded` turns what the
+ledger says into what crewai gets, with its event. Events are built only when someone
+listens (`_compat.bus_listens`).
+
 Loaded with the first flagged tool (see `_tools`), when crewai has finished importing:
 the ledger, the gates, tracing and crewai's event bus load with it, never at activation.
 """
@@ -11,19 +18,17 @@ the ledger, the gates, tracing and crewai's event bus load with it, never at act
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from crewai.events.event_bus import crewai_event_bus
 from crewai.utilities.crew.crew_context import get_crew_context
 
 from .. import _otel
+from .._backend import CacheBackend
 from .._errors import (
-    BodyFailed,
     IdempotencyKeyConflict,
     LedgerConfigurationError,
     LedgerUnavailable,
@@ -32,14 +37,13 @@ from .._errors import (
     OutcomeUnknown,
 )
 from .._keys import validate_key
-from .._ledger import current_claim
 from .._record import Record, Status
-from .._steps import Outcome
-from . import _compat, _config, _gates, approval_events
+from .._steps import Outcome, Settled, Step
+from . import _compat, _gates, approval_events
 from ._call import KEY_PARAMETER, Scope, config_of, crews, halting
 from ._call import scope as _scope
-from ._config import IdempotencyConfig, Settings, ToolOptions, resolve
-from ._keying import KeyContext, derive_key
+from ._config import IdempotencyConfig, Settings, ToolOptions, settings_for
+from ._keying import KeyContext, Target, derive_key
 from .events import (
     IdempotencyClaimEvent,
     IdempotencyConflictEvent,
@@ -52,57 +56,88 @@ log = logging.getLogger("crewai_idempotent")
 
 _running: ContextVar[frozenset[str]] = ContextVar("crewai_idempotent_running", default=frozenset())
 
-
-# -- one guarded callable --------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """A callable the guard wraps: a Tool's function (`tool_name` known) or a class tool's
-    `_run`/`_arun` (`method`: the first argument is the tool)."""
-
-    signature: inspect.Signature
-    method: bool
-    takes_key: bool
-    tool_name: str | None = None
-
-    @classmethod
-    def of(cls, fn: Callable[..., Any], *, method: bool, tool_name: str | None = None) -> Target:
-        signature = inspect.signature(fn)
-        return cls(signature, method, KEY_PARAMETER in signature.parameters, tool_name)
-
-    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """All arguments by name, defaults applied, without the tool itself or the key."""
-        if self.takes_key and KEY_PARAMETER not in kwargs:
-            kwargs = {**kwargs, KEY_PARAMETER: None}
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        params = self.signature.parameters
-        found: dict[str, Any] = {}
-        for index, (name, value) in enumerate(bound.arguments.items()):
-            if (self.method and index == 0) or name == KEY_PARAMETER:
-                continue
-            kind = params[name].kind
-            if kind is inspect.Parameter.VAR_KEYWORD:
-                found.update(value)
-            elif kind is inspect.Parameter.VAR_POSITIONAL:
-                if value:
-                    found[name] = list(value)
-            else:
-                found[name] = value
-        return found
+__all__ = ["Guarded", "Target", "acall", "call"]
 
 
-@dataclass(slots=True)
-class _Call:
-    tool: Any
-    tool_name: str
-    key: str
-    fingerprint: str
-    args: dict[str, Any]
-    settings: Settings
-    scope: Scope | None
-    gates: _gates.Gates | None = None  # approval and spend caps, when the call has any
+# -- one guarded call ------------------------------------------------------------------
+
+
+class Guarded:
+    """One call of a guarded tool, and the `Stage` the ledger drives for it.
+
+    At the claim (`enter`) it reports the claim and passes the call's gates; once the
+    body's outcome is recorded (`settle`) it settles the gates and keeps that outcome,
+    which is how the way back up knows whether a body's exception was recorded as an
+    uncertain outcome without asking the ledger again.
+    """
+
+    __slots__ = (
+        "_where", "args", "crew", "fingerprint", "gates", "key", "observation", "raised",
+        "refusal", "scope", "settings", "settled", "tool", "tool_name",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        tool: Any,
+        tool_name: str,
+        key: str,
+        fingerprint: str,
+        args: dict[str, Any],
+        settings: Settings,
+        scope: Scope | None,
+        crew: Any,
+        where: tuple[str | None, str | None, str | None] | None,
+    ) -> None:
+        self.tool = tool
+        self.tool_name = tool_name
+        self.key = key
+        self.fingerprint = fingerprint
+        self.args = args
+        self.settings = settings
+        self.scope = scope
+        self.crew = crew
+        self._where = where
+        self.gates: _gates.Gates | None = None
+        self.observation: _otel.Observer = _otel.NOTHING
+        self.settled: Settled | None = None  # how the body ended, as recorded
+        self.raised: BaseException | None = None  # what the body raised, if it did
+        self.refusal: BaseException | None = None  # what the gates raised, if they did
+
+    def where(self) -> tuple[str | None, str | None, str | None]:
+        """(crew key, task key, kickoff id), worked out once and only if asked."""
+        where = self._where
+        if where is None:
+            where = self._where = _where(self.scope, self.crew)
+        return where
+
+    # -- the stage ---------------------------------------------------------------------
+
+    def enter(
+        self, claim: Record, backend: CacheBackend, monotonic: Callable[[], float]
+    ) -> Step[Any] | None:
+        _emit(IdempotencyClaimEvent, self, claim, takeover=claim.token > 1)
+        self.observation.claimed()
+        gates = self.gates
+        return None if gates is None else self._gated(gates, claim, backend, monotonic)
+
+    def _gated(
+        self,
+        gates: _gates.Gates,
+        claim: Record,
+        backend: CacheBackend,
+        monotonic: Callable[[], float],
+    ) -> Step[Any]:
+        try:
+            return (yield from gates.plan.enter(claim, backend, monotonic))
+        except BaseException as exc:
+            self.refusal = exc
+            self.observation.returned()  # no body will: the span's context ends here
+            raise
+
+    def settle(self, entered: Any, settled: Settled, backend: CacheBackend) -> Step[None] | None:
+        self.settled = settled
+        gates = self.gates
+        return None if gates is None else gates.plan.settle(entered, settled, backend)
 
 
 def _task_key(task: Any) -> str | None:
@@ -115,13 +150,25 @@ def _task_key(task: Any) -> str | None:
 def _crew_of(scope: Scope | None) -> Any:
     if scope is not None and scope.crew is not None and not isinstance(scope.crew, str):
         return scope.crew
+    if not crews:
+        return None  # no crew was built: whatever crewai's context says, none is known here
     context = get_crew_context()
     return crews.get(str(context.id)) if context is not None else None
 
 
+def _where(scope: Scope | None, crew: Any) -> tuple[str | None, str | None, str | None]:
+    if crew is not None:
+        crew_key = crew.key
+    else:
+        context = get_crew_context()
+        crew_key = context.key if context is not None else None
+    task = _task_key(scope.task if scope is not None else None)
+    return crew_key, task, _compat.execution_uuid()
+
+
 def _prepare(
     target: Target, options: ToolOptions, tool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _Call | None:
+) -> Guarded | None:
     name = target.tool_name or _compat.tool_name(tool.name)
     try:
         arguments = target.arguments(args, kwargs)
@@ -139,46 +186,47 @@ def _prepare(
     if not isinstance(crew_config, IdempotencyConfig):
         crew_config = None
     try:
-        settings = resolve(options, crew_config)
+        settings = settings_for(name, options, crew_config)
     except LedgerConfigurationError as exc:
         # Inside a kickoff crewai would turn it into text for the model: a Halt carries it
         # out to the kickoff instead, as it does an uncertain outcome (its cause kept).
         raise halting(exc)  # noqa: B904 - the error itself, or the Halt carrying it
+    where = None
     explicit = kwargs.get(KEY_PARAMETER) if target.takes_key else None
     if explicit is not None:
         key = validate_key(explicit)
+    elif settings.idempotency_key is None:
+        key = validate_key(f"{name}:{digest}")
     else:
-        context = get_crew_context()
-        ctx = KeyContext(
-            tool=name,
-            crew=crew.key if crew is not None else (context.key if context is not None else None),
-            task=_task_key(scope.task if scope is not None else None),
-            kickoff=_compat.execution_uuid(),
-            fingerprint=digest,
-        )
+        where = _where(scope, crew)
+        ctx = KeyContext(tool=name, crew=where[0], task=where[1], kickoff=where[2],
+                         fingerprint=digest)  # fmt: skip
         key = derive_key(settings.idempotency_key, arguments, ctx)
     if key in _running.get():
         return None  # a guard inside the same operation (a subclass calling super()._run)
-    gate_ctx = _gates.GateContext(
-        name, key, crew.key if crew is not None else None,
-        _task_key(scope.task if scope is not None else None), _compat.execution_uuid(),
-    )  # fmt: skip
-    process = _config.process_config()
-    gates = _gates.plan(options, crew_config, process, name, key, digest, arguments, gate_ctx)
-    if gates is not None:
-        approval_events.listen()
+    call = Guarded(tool, name, key, digest, arguments, settings, scope, crew, where)
+    rules = settings.gates
+    if rules is not None:
+        crew_key, task, kickoff = call.where()
+        gate_ctx = _gates.GateContext(name, key, crew_key, task, kickoff)
+        call.gates = rules.plan(key, digest, arguments, gate_ctx)
+        if call.gates is not None:
+            approval_events.listen()
     if target.takes_key:
         kwargs[KEY_PARAMETER] = key
-    return _Call(tool, name, key, digest, arguments, settings, scope, gates)
+    call.observation = _otel.observe(name, key, settings.ledger.backend)
+    return call
 
 
 # -- events ----------------------------------------------------------------------------
 
 
 def _emit(
-    event_type: type[IdempotencyEvent], call: _Call, record: Record | None, **fields: Any
+    event_type: type[IdempotencyEvent], call: Guarded, record: Record | None, **fields: Any
 ) -> None:
     try:
+        if not _compat.bus_listens(event_type):
+            return
         scope = call.scope
         task = scope.task if scope is not None else None
         agent = scope.agent if scope is not None else None
@@ -191,7 +239,7 @@ def _emit(
             fingerprint=call.fingerprint,
             owner=record.owner.label if record is not None and record.owner else None,
             backend=repr(call.settings.ledger.backend),
-            kickoff_id=_compat.execution_uuid(),
+            kickoff_id=call.where()[2],
             task_id=str(task.id) if task is not None else None,
             task_name=(task.name or task.description) if task is not None else None,
             agent_id=str(getattr(agent, "id", None)) if getattr(agent, "id", None) else None,
@@ -203,48 +251,11 @@ def _emit(
         log.exception("could not emit %s for %r", event_type.__name__, call.key)
 
 
-def _claimed(call: _Call) -> None:
-    record = current_claim()  # set by the ledger around the body it is about to run
-    takeover = record is not None and record.token > 1
-    _emit(IdempotencyClaimEvent, call, record, takeover=takeover)
-
-
-def _replayed(call: _Call, outcome: Outcome[Any]) -> None:
-    history = outcome.record.history
-    reconciled = bool(history) and history[-1].kind == "reconcile"
-    _emit(IdempotencyReplayEvent, call, outcome.record, reconciled=reconciled)
-
-
-def _refused(call: _Call, exc: IdempotencyKeyConflict | OperationInProgress) -> None:
-    reason = "in_progress" if isinstance(exc, OperationInProgress) else "fingerprint_mismatch"
-    record = getattr(exc, "record", None)
-    _emit(IdempotencyConflictEvent, call, record, reason=reason, message=str(exc))
-
-
-def _uncertain(call: _Call, error: OutcomeUncertain) -> BaseException:
+def _uncertain(call: Guarded, error: OutcomeUncertain) -> BaseException:
     """The exception to raise for an uncertain outcome: a Halt inside a kickoff."""
     halt = call.settings.on_uncertain == "raise"
     _emit(IdempotencyUncertainEvent, call, error.record, reason=error.reason, halted=halt)
     return halting(error) if halt else error
-
-
-def _failed(call: _Call, exc: Exception) -> BaseException:
-    """What a guarded call that did not return raises, with the matching event emitted."""
-    if isinstance(exc, IdempotencyKeyConflict | OperationInProgress):
-        _refused(call, exc)
-        return exc
-    if isinstance(exc, OutcomeUncertain):
-        return _uncertain(call, exc)
-    if isinstance(exc, BodyFailed):
-        cause = exc.__cause__
-        assert isinstance(cause, Exception)  # the ledger wraps only Exceptions
-        if exc.status != Status.UNCERTAIN:
-            return _gates.refused(call.gates, cause)
-        # The body said (or showed) that its effect may have happened.
-        uncertain = OutcomeUncertain(call.key, exc.record, exc.reason)
-        uncertain.__cause__ = cause
-        return _uncertain(call, uncertain)
-    return exc
 
 
 class ToolReportedFailure(Exception):
@@ -268,52 +279,62 @@ def _checked(result: Any) -> Any:
     raise ToolReportedFailure(failure)
 
 
-def _returned_failure(exc: Exception) -> Any:
-    if (
-        isinstance(exc, BodyFailed)
-        and exc.status != Status.UNCERTAIN
-        and isinstance(exc.__cause__, ToolReportedFailure)
-    ):
-        return exc.__cause__.failure
-    return None
+# -- the way back up -------------------------------------------------------------------
 
 
-def _observed_error(observation: _otel.Observer, exc: Exception) -> None:
-    if isinstance(exc, LedgerUnavailable):
-        observation.ledger_error(exc)
-        return
-    outcome = _otel.outcome_of(exc)
-    if isinstance(exc, BodyFailed) and exc.status == Status.UNCERTAIN:
-        outcome = "uncertain"
-    observation.finish(outcome, getattr(exc, "record", None), exc)
-
-
-def _raise(call: _Call, exc: Exception) -> NoReturn:
-    raised = _failed(call, exc)
-    if raised is exc:
-        raise exc
-    if isinstance(exc, BodyFailed):
-        if raised is exc.__cause__:
-            raise raised  # the body's own exception, as the body raised it
-        raise raised from exc.__cause__
-    raise raised from exc
-
-
-def _succeeded(call: _Call, observation: _otel.Observer, outcome: Outcome[Any]) -> Any:
+def _succeeded(call: Guarded, outcome: Outcome[Any]) -> Any:
+    observation = call.observation
     if outcome.replayed:
-        _replayed(call, outcome)
-    observation.finish("replay" if outcome.replayed else "claim", outcome.record)
+        if _compat.bus_listens(IdempotencyReplayEvent):
+            record = outcome.record
+            history = record.history
+            reconciled = bool(history) and history[-1].kind == "reconcile"
+            _emit(IdempotencyReplayEvent, call, record, reconciled=reconciled)
+        if observation is not _otel.NOTHING:
+            observation.finish("replay", outcome.record)
+    elif observation is not _otel.NOTHING:
+        observation.finish("claim", outcome.record)
     return outcome.value
 
 
-def _unsucceeded(call: _Call, observation: _otel.Observer, exc: Exception) -> Any:
-    """A returned ToolFailure goes back to crewai as returned; anything else is raised.
-    Called outside the caller's except block, so nothing chains implicitly."""
-    _observed_error(observation, exc)
-    returned = _returned_failure(exc)
-    if returned is not None:
-        return returned
-    _raise(call, exc)
+def _unsucceeded(call: Guarded, exc: Exception) -> Any:
+    """What a guarded call that did not return gives crewai: a returned ToolFailure as it
+    was returned, anything else raised with its event. Called outside the caller's except
+    block, so nothing chains implicitly."""
+    if exc is call.raised:  # the body's own exception, recorded as `call.settled` says
+        settled = call.settled
+        if settled is not None and settled.status is Status.UNCERTAIN:
+            uncertain = OutcomeUncertain(call.key, settled.record, settled.reason or "")
+            uncertain.__cause__ = exc
+            call.observation.finish("uncertain", settled.record, uncertain)
+            raise _uncertain(call, uncertain) from exc
+        recorded = settled.record if settled is not None else None
+        call.observation.finish(_otel.outcome_of(exc), recorded, exc)
+        if isinstance(exc, ToolReportedFailure):
+            return exc.failure
+        raise exc
+    if exc is call.refusal:  # a gate stopped the call before its body
+        call.observation.finish(_otel.outcome_of(exc), None, exc)
+        _refused_by_gates(call, exc)
+    if isinstance(exc, LedgerUnavailable):
+        call.observation.ledger_error(exc)
+        raise exc
+    record = getattr(exc, "record", None)
+    call.observation.finish(_otel.outcome_of(exc), record, exc)
+    if isinstance(exc, IdempotencyKeyConflict | OperationInProgress):
+        reason = "in_progress" if isinstance(exc, OperationInProgress) else "fingerprint_mismatch"
+        _emit(IdempotencyConflictEvent, call, record, reason=reason, message=str(exc))
+        raise exc
+    if isinstance(exc, OutcomeUncertain):
+        raise _uncertain(call, exc) from exc
+    raise exc
+
+
+def _refused_by_gates(call: Guarded, exc: Exception) -> NoReturn:
+    raised = _gates.refused(call.gates, exc)
+    if raised is exc:
+        raise exc
+    raise raised from exc
 
 
 # -- the guard -------------------------------------------------------------------------
@@ -329,36 +350,30 @@ def call(
 ) -> Any:
     _compat.refuse_if_untested()
     kwargs = dict(kwargs)
-    prepared = _prepare(target, options, tool, args, kwargs)
-    if prepared is None:
+    guarded = _prepare(target, options, tool, args, kwargs)
+    if guarded is None:
         return fn(*args, **kwargs)
-    ledger = prepared.settings.ledger
-    observation = _otel.observe(prepared.tool_name, prepared.key, ledger.backend)
 
     def body() -> Any:
-        _claimed(prepared)
-        observation.claimed()
-        token = _running.set(_running.get() | {prepared.key})
+        token = _running.set(_running.get() | {guarded.key})
         try:
-            return _gates.run(prepared.gates, ledger.backend, lambda: _checked(fn(*args, **kwargs)))
+            return _checked(fn(*args, **kwargs))
+        except BaseException as exc:
+            guarded.raised = exc
+            raise
         finally:
             _running.reset(token)
-            observation.returned()
+            guarded.observation.returned()
 
+    settings = guarded.settings
+    options_of_call = settings.options.of_call(guarded.fingerprint, guarded.args)
     try:
-        outcome = ledger.execute(
-            prepared.key,
-            body,
-            fingerprint=prepared.fingerprint,
-            args=prepared.args,
-            wrap_errors=True,
-            **prepared.settings.ledger_options(),
-        )
-    except Exception as exc:  # noqa: BLE001 - each kind is sorted out in _failed
+        outcome = settings.ledger._execute(guarded.key, body, options_of_call, guarded)
+    except Exception as exc:  # noqa: BLE001 - each kind is sorted out in _unsucceeded
         error: Exception = exc
     else:
-        return _succeeded(prepared, observation, outcome)
-    return _unsucceeded(prepared, observation, error)
+        return _succeeded(guarded, outcome)
+    return _unsucceeded(guarded, error)
 
 
 async def acall(
@@ -371,37 +386,27 @@ async def acall(
 ) -> Any:
     _compat.refuse_if_untested()
     kwargs = dict(kwargs)
-    prepared = _prepare(target, options, tool, args, kwargs)
-    if prepared is None:
+    guarded = _prepare(target, options, tool, args, kwargs)
+    if guarded is None:
         return await fn(*args, **kwargs)
-    ledger = prepared.settings.ledger
-    observation = _otel.observe(prepared.tool_name, prepared.key, ledger.backend)
 
     async def body() -> Any:
-        _claimed(prepared)
-        observation.claimed()
-        token = _running.set(_running.get() | {prepared.key})
+        token = _running.set(_running.get() | {guarded.key})
         try:
-
-            async def checked() -> Any:  # a returned ToolFailure counts as failed at the gates
-                return _checked(await fn(*args, **kwargs))
-
-            return await _gates.arun(prepared.gates, ledger.backend, checked)
+            return _checked(await fn(*args, **kwargs))
+        except BaseException as exc:
+            guarded.raised = exc
+            raise
         finally:
             _running.reset(token)
-            observation.returned()
+            guarded.observation.returned()
 
+    settings = guarded.settings
+    options_of_call = settings.options.of_call(guarded.fingerprint, guarded.args)
     try:
-        outcome = await ledger.aexecute(
-            prepared.key,
-            body,
-            fingerprint=prepared.fingerprint,
-            args=prepared.args,
-            wrap_errors=True,
-            **prepared.settings.ledger_options(),
-        )
-    except Exception as exc:  # noqa: BLE001 - each kind is sorted out in _failed
+        outcome = await settings.ledger._aexecute(guarded.key, body, options_of_call, guarded)
+    except Exception as exc:  # noqa: BLE001 - each kind is sorted out in _unsucceeded
         error: Exception = exc
     else:
-        return _succeeded(prepared, observation, outcome)
-    return _unsucceeded(prepared, observation, error)
+        return _succeeded(guarded, outcome)
+    return _unsucceeded(guarded, error)

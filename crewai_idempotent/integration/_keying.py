@@ -1,14 +1,85 @@
-"""Deriving a tool call's idempotency key from its arguments and where it runs."""
+"""A tool call's arguments, bound by name, and the idempotency key derived from them and
+from where the call runs."""
 
 from __future__ import annotations
 
+import inspect
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import InvalidIdempotencyKey
 from .._keys import validate_key
+from ._call import KEY_PARAMETER
+
+_NO_DEFAULT: Any = inspect.Parameter.empty
+_PLAIN_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+class Target:
+    """A callable the guard wraps: a Tool's function (`tool_name` known) or a class tool's
+    `_run`/`_arun` (`method`: the first argument is the tool)."""
+
+    __slots__ = ("_by_name", "_names", "method", "signature", "takes_key", "tool_name")
+
+    def __init__(
+        self, signature: inspect.Signature, method: bool, tool_name: str | None = None
+    ) -> None:
+        self.signature = signature
+        self.method = method
+        self.takes_key = KEY_PARAMETER in signature.parameters
+        self.tool_name = tool_name
+        params = list(signature.parameters.values())[1 if method else 0 :]
+        # Every parameter can be given by name (crewai calls tools with keyword arguments
+        # only): such a call binds by a dict lookup per parameter, not Signature.bind.
+        plain = all(p.kind in _PLAIN_KINDS for p in params)
+        self._by_name = (
+            tuple((p.name, p.default) for p in params if p.name != KEY_PARAMETER) if plain else None
+        )
+        self._names = frozenset(p.name for p in params)
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], *, method: bool, tool_name: str | None = None) -> Target:
+        return cls(inspect.signature(fn), method, tool_name)
+
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """All arguments by name, defaults applied, without the tool itself or the key.
+        TypeError, as `Signature.bind` words it, for arguments the callable does not take."""
+        by_name = self._by_name
+        if by_name is not None and len(args) == self.method and kwargs.keys() <= self._names:
+            found: dict[str, Any] = {}
+            for name, default in by_name:
+                if name in kwargs:
+                    found[name] = kwargs[name]
+                elif default is not _NO_DEFAULT:
+                    found[name] = default
+                else:
+                    break  # missing: Signature.bind says so
+            else:
+                return found
+        return self._bound(args, kwargs)
+
+    def _bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.takes_key and KEY_PARAMETER not in kwargs:
+            kwargs = {**kwargs, KEY_PARAMETER: None}
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = self.signature.parameters
+        found: dict[str, Any] = {}
+        for index, (name, value) in enumerate(bound.arguments.items()):
+            if (self.method and index == 0) or name == KEY_PARAMETER:
+                continue
+            kind = params[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                found.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    found[name] = list(value)
+            else:
+                found[name] = value
+        return found
+
 
 # Template fields that name where the call runs rather than one of its arguments.
 CONTEXT_FIELDS = ("tool", "crew", "task", "kickoff", "fingerprint")

@@ -108,9 +108,7 @@ def guard_method(original: Callable[..., Any]) -> Any:
             options = _options_for_call(self)
             if options is None:
                 return await original(self, *args, **kwargs)
-            from . import _guard
-
-            return await _guard.acall(target_of(), options, self, original, (self, *args), kwargs)
+            return await _guard().acall(target_of(), options, self, original, (self, *args), kwargs)
 
         guarded: Any = guarded_async
     else:
@@ -127,14 +125,26 @@ def guard_method(original: Callable[..., Any]) -> Any:
             options = _options_for_call(self)
             if options is None:
                 return original(self, *args, **kwargs)
-            from . import _guard
-
-            return _guard.call(target_of(), options, self, original, (self, *args), kwargs)
+            return _guard().call(target_of(), options, self, original, (self, *args), kwargs)
 
         guarded = guarded_sync
     guarded.__signature__ = hide_key(inspect.signature(original))
     setattr(guarded, GUARD_MARK, original)
     return guarded
+
+
+_guard_module: Any = None
+
+
+def _guard() -> Any:
+    """The guard's module, imported with the first flagged call (not at activation) and
+    looked up once: an import statement costs a microsecond on every call."""
+    global _guard_module
+    if _guard_module is None:
+        from . import _guard
+
+        _guard_module = _guard
+    return _guard_module
 
 
 def _options_for_call(tool: Any) -> ToolOptions | None:

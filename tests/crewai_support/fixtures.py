@@ -29,6 +29,7 @@ def _forget_ledgers() -> None:
         _ledgers.url_backends.clear()
         _ledgers.default_backends.clear()
         _ledgers.announced.clear()
+    _config.forget_settings()  # tools resolved their ledger among the ones just closed
 
 
 @pytest.fixture
