@@ -3,6 +3,7 @@ nothing on it is missing from the package."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -57,3 +58,90 @@ def test_the_map_parser_sees_nesting() -> None:
     # The check above is only as good as the parser: a nested module must come out whole.
     assert f"{PACKAGE}/backends/sqlite.py" in mapped_paths()
     assert f"{PACKAGE}/integration/__init__.py" in mapped_paths()
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module's imports of the package's own modules made when it loads: the
+    top-level statements, without `if TYPE_CHECKING:` blocks and without the imports
+    functions make when they run (which are deliberate: loading on first use)."""
+    graph: dict[str, set[str]] = {}
+    for rel in package_paths():
+        path = ROOT / rel
+        parts = rel[: -len(".py")].split("/")
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = ".".join(parts[:-1])
+        found: set[str] = set()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith(PACKAGE)}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                if not base.startswith(PACKAGE):
+                    continue
+                for alias in node.names:
+                    candidate = f"{base}.{alias.name}"
+                    known = (ROOT / (candidate.replace(".", "/") + ".py")).exists()
+                    found.add(candidate if known else base)
+        graph[module] = {m for m in found if m != module}
+    return graph
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import circle in `graph`, as the path that closes it, or None."""
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        seen[module] = 1
+        for imported in sorted(graph.get(module, ())):
+            if seen.get(imported) == 1:
+                return [*path[path.index(imported) :], imported]
+            if imported not in seen:
+                found = visit(imported, [*path, imported])
+                if found:
+                    return found
+        seen[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in seen:
+            found = visit(module, [module])
+            if found:
+                return found
+    return None
+
+
+def test_no_module_imports_one_that_imports_it() -> None:
+    graph = _module_imports()
+    # The graph is read right: relative imports resolve to modules, a name imported from a
+    # package resolves to its module.
+    assert f"{PACKAGE}._steps" in graph[f"{PACKAGE}.integration._guard"]
+    assert f"{PACKAGE}.integration._keying" in graph[f"{PACKAGE}.integration._guard"]
+    assert f"{PACKAGE}._machine" in graph[f"{PACKAGE}._ledger"]
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _circle(graph) is None, f"import circle: {' -> '.join(_circle(graph) or [])}"
+
+
+def test_the_ledger_drives_the_gates_without_importing_them() -> None:
+    graph = _module_imports()
+
+    def reaches(start: str) -> set[str]:
+        found, todo = set(), [start]
+        while todo:
+            for imported in graph.get(todo.pop(), ()):
+                if imported not in found:
+                    found.add(imported)
+                    todo.append(imported)
+        return found
+
+    gates = {f"{PACKAGE}.{m}" for m in ("_gating", "_approvals", "_spend", "_gatestore")}
+    for core in ("_ledger", "_machine", "_steps", "_leases", "_rooms"):
+        reached = reaches(f"{PACKAGE}.{core}")
+        assert not reached & gates, f"{core} imports the gates: {sorted(reached & gates)}"
+        assert not any(m.startswith(f"{PACKAGE}.integration") for m in reached), core
+    for gate in gates:
+        assert f"{PACKAGE}._ledger" not in reaches(gate), f"{gate} imports the ledger"
