@@ -162,7 +162,7 @@ def fingerprint(args: Any) -> str:
 def _encoder() -> Callable[[Any], str]:
     """Plain JSON, sorted keys, no spaces, no ASCII escaping. The C encoder, made once (the
     stdlib's `JSONEncoder.encode` builds one per call, which costs more than encoding)."""
-    make = json.encoder.c_make_encoder
+    make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:  # no C accelerator (PyPy): the same bytes, slower
         slow = json.JSONEncoder(
             ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
@@ -187,7 +187,8 @@ class _NotPlain(Exception):
 
 
 def _plain(value: Any) -> Any:
-    """`value` as the C encoder must see it to write its RFC 8785 form, else _NotPlain."""
+    """`value` as the C encoder must see it to write its RFC 8785 form, else _NotPlain.
+    The value itself when nothing needs changing (the common case: no copy is made)."""
     kind = type(value)
     if kind is str or kind is bool or value is None:
         return value
@@ -203,16 +204,24 @@ def _plain(value: Any) -> Any:
             return value
         raise _NotPlain  # tiny, huge, NaN or infinite
     if kind is dict:
-        out = {}
+        changed: dict[str, Any] | None = None
         for key, item in value.items():
-            if (
-                type(key) is not str
-                or key == TYPE_TAG
-                or (not key.isascii() and max(key) >= _BMP_END)
-            ):
+            if type(key) is not str or key == TYPE_TAG:
                 raise _NotPlain
-            out[key] = _plain(item)
-        return out
+            if not key.isascii() and max(key) >= _BMP_END:
+                raise _NotPlain
+            kind = type(item)
+            if kind is str or kind is bool or item is None:
+                continue
+            plain = _plain(item)
+            if plain is not item and changed is None:
+                changed = dict(value)
+            if changed is not None:
+                changed[key] = plain
+        return value if changed is None else changed
     if kind is list or kind is tuple:
-        return [_plain(item) for item in value]
+        items = [_plain(item) for item in value]
+        if kind is list and all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return items
     raise _NotPlain
