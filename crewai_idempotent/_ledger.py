@@ -447,8 +447,8 @@ class Ledger(_Machine):
     ) -> _Options:
         """The options of every call made with these settings, checked once (None: this
         ledger's own); a call fills in its fingerprint and arguments (`_Options.of_call`)."""
-        return self._options("", None, wait_s, lease_s, _MISSING if ttl is None else ttl,
-                             reconcile, on_stale)  # fmt: skip
+        ttl_or_own = _MISSING if ttl is None else ttl
+        return self._options("", None, wait_s, lease_s, ttl_or_own, reconcile, on_stale)
 
     def _unrecorded(self, claim: _Claim, value: Any) -> Outcome[Any]:
         # The effect happened and its receipt is in hand, so the caller gets it. The record
