@@ -184,10 +184,15 @@ class SpendCapExceeded(IdempotencyError):
         self.limit = limit
         self.spent = spent
         self.reserved = reserved
+        from ._spend import format_money  # _spend raises this error: imported when it is made
+
+        def money(minor: int) -> str:
+            return format_money(minor, currency)
+
         super().__init__(
-            f"spend cap {cap!r} refuses idempotency key {key!r}: {amount} {currency} (minor "
-            f"units) on top of {spent} spent and {reserved} reserved would exceed the limit of "
-            f"{limit} {currency}; nothing was run"
+            f"spend cap {cap!r} refuses idempotency key {key!r}: {money(amount)} on top of "
+            f"{money(spent)} spent and {money(reserved)} reserved would exceed the limit of "
+            f"{money(limit)}; nothing was run"
         )
 
 

@@ -129,7 +129,7 @@ def test_three_invoices_one_large_then_approve_and_a_fourth_over_the_cap(
         backend.close()
     assert sorted(budgets.values()) == [(50_000, 0), (80_000, 0)]  # one window per kickoff
     shown = _cli(url, "spend")
-    assert "committed 80000" in shown and "limit 130000 EUR" in shown
+    assert "committed 800.00 EUR" in shown and "limit 1,300.00 EUR" in shown
 
     third = scripted(native, [("pay_invoice", LARGE)])
     crew, _ = payment_crew([pay], third, cache_backend=url)
@@ -259,4 +259,4 @@ def test_the_approvals_demo_runs_offline(tmp_path: Path) -> None:
     assert "needs approval" in result.output and "refused by the per-kickoff cap" in result.output
     url = f"sqlite:///{tmp_path / 'demo.db'}"
     assert "USED" in _cli(url, "approvals", "ls", "--state", "all")
-    assert "committed 90000" in _cli(url, "spend")
+    assert "committed 900.00 EUR" in _cli(url, "spend")

@@ -22,6 +22,7 @@ from typing import Any
 from rich.markup import escape
 
 from .._errors import LedgerUnavailable
+from .._spend import format_money
 from ..backends.sqlite import SQLiteCacheBackend
 from . import IdempotencyConfig, default_ledger_path, install
 from ._scripted import current_attempt, go_offline, narrator, say, scripted_model, tool_call
@@ -99,7 +100,7 @@ class _Demo:
         )
         task = Task(
             description=(
-                f"Charge {self.customer} {self.amount_cents / 100:.2f} EUR for invoice "
+                f"Charge {self.customer} {format_money(self.amount_cents, 'EUR')} for invoice "
                 f"{self.invoice}, then report the receipt."
             ),
             expected_output="A sentence naming the invoice, the amount and the receipt id.",
@@ -146,7 +147,7 @@ class _Demo:
         try:
             self.say(f"ledger: {escape(self.ledger_description())}")
             self.say(
-                f"task: charge {self.customer} {self.amount_cents / 100:.2f} EUR "
+                f"task: charge {self.customer} {format_money(self.amount_cents, 'EUR')} "
                 f"for {self.invoice}\n"
             )
             answer = self.kickoff(crew)
@@ -216,7 +217,7 @@ class _Demo:
             self.say("  [yellow]-> crewai retries the agent (max_retry_limit)[/]")
             raise RuntimeError(_MODEL_FAILURE)
         return (
-            f"Invoice {self.invoice}: charged {self.amount_cents / 100:.2f} EUR to "
+            f"Invoice {self.invoice}: charged {format_money(self.amount_cents, 'EUR')} to "
             f"{self.customer}, receipt {receipt}."
         )
 

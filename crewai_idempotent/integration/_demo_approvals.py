@@ -23,7 +23,7 @@ from rich.markup import escape
 
 from .._approvals import Approvals
 from .._errors import ApprovalRequired
-from .._spend import Money, SpendCap, SpendLedger
+from .._spend import Money, SpendCap, SpendLedger, format_money
 from ..backends._url import backend_from_url
 from . import install
 from ._scripted import Reply, go_offline, narrator, say, scripted_model, tool_call
@@ -127,7 +127,9 @@ class _Demo:
         return reply
 
     def run(self) -> int:
-        euros = lambda cents: f"{cents / 100:,.2f} EUR"  # noqa: E731
+        def euros(cents: int) -> str:
+            return format_money(cents, "EUR")
+
         self.say(f"[bold]Ledger:[/] {escape(self.url)}")
         self.say(
             f"pay_invoice needs approval above {euros(THRESHOLD_CENTS)}; "
