@@ -8,6 +8,7 @@ names it, so a server client library is loaded (or found missing) on first use.
 from __future__ import annotations
 
 import importlib
+import weakref
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -79,3 +80,31 @@ def local_path(url: str) -> Path | None:
         return None
     path: Path = _backend_class(scheme, url).path_from_url(url)
     return path
+
+
+# The backends that are the CLI's own default ledger (the embedded default the crewai
+# integration opens): a command suggested for them needs no --ledger.
+_defaults: weakref.WeakSet[CacheBackend] = weakref.WeakSet()
+
+
+def mark_default(backend: CacheBackend) -> None:
+    _defaults.add(backend)
+
+
+def url_of(backend: Any) -> str:
+    """The ledger URL naming `backend`, passwords as `***`, for messages; a backend that
+    cannot say (one of your own without a `url`) is shown by its repr."""
+    url = getattr(backend, "url", None)
+    return url if isinstance(url, str) else repr(backend)
+
+
+def ledger_option(backend: Any) -> str | None:
+    """The URL a suggested `crewai-idempotent` command must give with --ledger to reach
+    `backend`; None for the embedded default, which the command finds by itself."""
+    try:
+        if backend in _defaults:
+            return None
+    except TypeError:  # an unhashable backend of your own is never the default
+        pass
+    url = getattr(backend, "url", None)
+    return url if isinstance(url, str) else None

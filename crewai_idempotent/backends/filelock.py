@@ -43,7 +43,7 @@ from .. import _fork
 from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._record import Peek, Record, Status
-from ._options import configuration_errors, flag, local_options
+from ._options import configuration_errors, flag, local_options, with_options
 from ._paths import check_trusted, private_folder
 
 T = TypeVar("T")
@@ -90,6 +90,12 @@ class FileLockCacheBackend(CacheBackend):
 
     def __repr__(self) -> str:
         return f"FileLockCacheBackend({str(self.directory)!r})"
+
+    @property
+    def url(self) -> str:
+        """The URL that names this ledger (for messages and the CLI's --ledger)."""
+        options = {"allow_insecure_path": True} if self.allow_insecure_path else {}
+        return with_options(file_url(self.directory), options)
 
     # -- URL (RFC 8089) ----------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._fork import unforked
 from .._record import Peek, Record, Status
-from ._options import flag, local_options, seconds
+from ._options import flag, local_options, seconds, with_options
 from ._paths import check_existing_file, private_file
 from ._sqlite_fork import Gate, refusal_message, taint, tainted
 from ._sqlite_group import Group
@@ -129,6 +129,12 @@ class SQLiteCacheBackend(CacheBackend):
 
     def __repr__(self) -> str:
         return f"SQLiteCacheBackend({str(self.path)!r}, synchronous={self.synchronous!r})"
+
+    @property
+    def url(self) -> str:
+        """The URL that names this ledger (for messages and the CLI's --ledger)."""
+        options = {"allow_insecure_path": True} if self.allow_insecure_path else {}
+        return with_options(sqlite_url(self.path), options)
 
     # -- URL (SQLAlchemy's convention) ---------------------------------------------------
 
@@ -254,7 +260,7 @@ class SQLiteCacheBackend(CacheBackend):
 
     def _connect(self, slot: str, synchronous: str) -> sqlite3.Connection:
         if self._closed:
-            raise LedgerUnavailable(f"{self!r} is closed")
+            raise LedgerUnavailable(f"the ledger {self.url} is closed")
         why = tainted(self._identity) or _inherited_without_hook(self._identity)
         if why is not None:
             raise LedgerUnavailable(refusal_message(self.path, why))

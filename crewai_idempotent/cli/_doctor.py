@@ -24,7 +24,7 @@ import click
 from _crewai_idempotent_autoload import autoload_enabled
 
 from .. import Status
-from ..backends._url import local_path
+from ..backends._url import local_path, url_of
 from ..integration import _verify, default_ledger_path
 from ..integration._compat import ALLOW_UNTESTED_ENV, untested_choice
 from ..integration._ledgers import describe_default
@@ -157,7 +157,7 @@ def _open_facts(where: Where, out: _Report) -> None:
         out.problem("reachable", f"no: {type(exc).__name__}: {exc}")
         return
     summary = ", ".join(f"{counts[s]} {s.value.lower()}" for s in Status)
-    out.fact("reachable", f"yes: {ledger.backend!r}; {summary}")
+    out.fact("reachable", f"yes: {url_of(ledger.backend)}; {summary}")
     if counts[Status.UNCERTAIN]:
         out.fact("", "uncertain records wait for a decision: ls --status uncertain")
     _durability_facts(ledger.backend, out)
@@ -221,7 +221,11 @@ def _crewai_facts(out: _Report) -> None:
     choice = untested_choice()
     newer = f"{installed}: newer than the newest tested release ({newest_tested()})"
     if is_tested(installed):
-        out.fact("crewai", f"{installed}: tested ({supported_range()}, up to {newest_tested()})")
+        out.fact(
+            "crewai",
+            f"{installed}: supported and tested ({supported_range()}, every release up to "
+            f"{newest_tested()} tested)",
+        )
     elif choice is True:
         out.fact(
             "crewai",

@@ -35,6 +35,7 @@ from .._keys import validate_key
 from .._ledger import current_claim
 from .._record import Record, Status
 from .._steps import Outcome
+from ..backends._url import ledger_option
 from . import _compat, _config, _gates, approval_events
 from ._call import KEY_PARAMETER, Scope, config_of, crews, halting
 from ._call import scope as _scope
@@ -241,7 +242,9 @@ def _failed(call: _Call, exc: Exception) -> BaseException:
         if exc.status != Status.UNCERTAIN:
             return _gates.refused(call.gates, cause)
         # The body said (or showed) that its effect may have happened.
-        uncertain = OutcomeUncertain(call.key, exc.record, exc.reason)
+        uncertain = OutcomeUncertain(
+            call.key, exc.record, exc.reason, ledger=ledger_option(call.settings.ledger.backend)
+        )
         uncertain.__cause__ = cause
         return _uncertain(call, uncertain)
     return exc

@@ -16,7 +16,7 @@ from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._ledger import Ledger
 from ..backends._options import redact
-from ..backends._url import backend_from_url
+from ..backends._url import backend_from_url, mark_default, url_of
 from ._compat import db_storage_path
 
 log = logging.getLogger("crewai_idempotent")
@@ -71,6 +71,7 @@ def default_backend() -> CacheBackend:
         backend = default_backends.get(path)
         if backend is None:
             backend = default_backends[path] = SQLiteCacheBackend(path)
+            mark_default(backend)  # the CLI finds it by itself: no --ledger in hints
         return backend
 
 
@@ -103,5 +104,5 @@ def announce(source: str, backend: CacheBackend) -> None:
         if mark in announced:
             return
         announced.add(mark)
-    where = describe_default() if source == "default" else f"{backend!r} (from {source})"
+    where = describe_default() if source == "default" else f"{url_of(backend)} (from {source})"
     log.info("crewai-idempotent: guarded tool calls use the ledger %s", where)
