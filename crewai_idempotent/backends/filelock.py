@@ -50,7 +50,10 @@ T = TypeVar("T")
 
 
 class FileLockCacheBackend(CacheBackend):
-    """A ledger folder holding one JSON file per key (named by the key's SHA-256)."""
+    """A ledger folder holding one JSON file per key (named by the key's SHA-256).
+
+    The folder is created 0700 if absent; its parent must exist, unless
+    `create_parents=True`."""
 
     read_first = True  # a read is one open() of a local file: replays peek before claiming
 
@@ -61,8 +64,11 @@ class FileLockCacheBackend(CacheBackend):
         fsync: bool = True,
         lock_timeout_s: float = 10.0,
         allow_insecure_path: bool = False,
+        create_parents: bool = False,
     ) -> None:
-        self.directory = private_folder(Path(directory), allow_insecure_path)
+        self.directory = private_folder(
+            Path(directory), allow_insecure_path, create_parents=create_parents
+        )
         self.fsync = fsync
         self.lock_timeout_s = lock_timeout_s
         self.allow_insecure_path = allow_insecure_path
@@ -101,8 +107,8 @@ class FileLockCacheBackend(CacheBackend):
 
     @classmethod
     def from_url(cls, url: str) -> Self:
-        """`file:///absolute/dir` with the options `fsync` and `allow_insecure_path`;
-        anything else is a `LedgerConfigurationError`."""
+        """`file:///absolute/dir` with the options `fsync`, `allow_insecure_path` and
+        `create_parents`; anything else is a `LedgerConfigurationError`."""
         options = local_options(url, _URL_OPTIONS, "file")
         with configuration_errors():
             return cls(cls.path_from_url(url), **options)
@@ -383,6 +389,7 @@ class FileLockCacheBackend(CacheBackend):
 _URL_OPTIONS: dict[str, Callable[[str], Any]] = {
     "fsync": flag,
     "allow_insecure_path": flag,
+    "create_parents": flag,
 }
 
 

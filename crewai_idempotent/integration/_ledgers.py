@@ -70,7 +70,8 @@ def default_backend() -> CacheBackend:
     with _lock:
         backend = default_backends.get(path)
         if backend is None:
-            backend = default_backends[path] = SQLiteCacheBackend(path)
+            # crewai's storage folder: ours to make, unlike a folder named by hand.
+            backend = default_backends[path] = SQLiteCacheBackend(path, create_parents=True)
             mark_default(backend)  # the CLI finds it by itself: no --ledger in hints
         return backend
 
