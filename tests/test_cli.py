@@ -395,10 +395,12 @@ def test_default_ledger_is_the_integrations(
 
 
 def test_demo_calls_run_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    calls: list[tuple[Any, Any]] = []
+    calls: list[tuple[Any, Any, Any]] = []
 
-    def run_demo(ledger_path: str | None = None, *, console: Any = None) -> int:
-        calls.append((ledger_path, console))
+    def run_demo(
+        ledger_path: str | None = None, *, ledger_url: str | None = None, console: Any = None
+    ) -> int:
+        calls.append((ledger_path, ledger_url, console))
         console.print("demo ran")
         return 3
 
@@ -409,8 +411,13 @@ def test_demo_calls_run_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     env = {"CREWAI_IDEMPOTENCY_URL": "sqlite:///must/not/be/used.db"}
     result = cli(None, "demo", "--ledger-path", target, env=env)
     assert result.exit_code == 3 and "demo ran" in result.stdout
-    assert calls[0][0] == target and calls[0][1] is not None
-    assert cli(None, "demo", env=env).exit_code == 3 and calls[1][0] is None
+    assert calls[-1][:2] == (target, None) and calls[-1][2] is not None
+    # The environment's ledger is never the demo's: a throwaway one unless --ledger.
+    assert cli(None, "demo", env=env).exit_code == 3 and calls[-1][:2] == (None, None)
+    url = f"sqlite:///{tmp_path / 'kept.db'}"
+    assert cli(url, "demo", env=env).exit_code == 3 and calls[-1][:2] == (None, url)
+    both = cli(url, "demo", "--ledger-path", target)
+    assert both.exit_code == 2 and "not both" in both.stderr
 
 
 def test_demo_missing(monkeypatch: pytest.MonkeyPatch) -> None:

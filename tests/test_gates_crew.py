@@ -69,6 +69,9 @@ def _url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'ledger.db'}"
 
 
+WIDE = {"COLUMNS": "400"}
+
+
 def _cli(url: str, *args: str) -> str:
     result = CliRunner().invoke(cli, ["--ledger", url, *args], catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -249,6 +252,20 @@ def test_bad_gate_options_are_refused_where_given() -> None:
 
     with pytest.raises(TypeError, match="caps must hold SpendCap"):
         IdempotencyConfig(caps=[100])
+
+
+def test_the_approvals_demo_says_it_all_and_leaves_nothing_behind() -> None:
+    result = CliRunner().invoke(cli, ["demo-approvals"], catch_exceptions=False, env=WIDE)
+    assert result.exit_code == 0, result.output
+    # The cap's refusal, whole: the reason comes at its end.
+    (refusal,) = [line for line in result.output.splitlines() if "spend cap" in line]
+    assert refusal.rstrip().endswith("would exceed the limit of 1,200.00 EUR; nothing was run")
+    (said,) = [line for line in result.output.splitlines() if line.startswith("Ledger: ")]
+    url = said.split()[1]
+    assert "(a throwaway ledger, deleted when the demo ends;" in said
+    assert f"Operator: crewai-idempotent --ledger {url} approvals approve ap_" in result.output
+    folder = Path(url.removeprefix("sqlite://")).parent
+    assert folder.name.startswith("crewai-idempotent-demo-approvals-") and not folder.exists()
 
 
 def test_the_approvals_demo_runs_offline(tmp_path: Path) -> None:
