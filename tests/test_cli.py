@@ -327,12 +327,20 @@ def test_purge(url: str, populated: Ledger) -> None:
     assert result.exit_code == 0 and "purged 1 record(s)" in result.stdout
     assert populated.get("order-expired") is None and populated.get("order-committed")
 
+    # The gates' state lives in the ledger as records: --all takes it too, and says so.
+    from crewai_idempotent import _gatestore
+
+    for key in ("approval/ap_" + "1" * 20, "spend/pay/day-EUR/2026-12-01", "spend/pay/total"):
+        _gatestore.update(populated.backend, _gatestore.PREFIX + key, lambda doc, now: {"k": 1})
     declined = cli(url, "purge", "--all", input="n\n")
     assert declined.exit_code == 1 and "receipts are lost" in declined.stderr
+    assert "2 COMMITTED and FAILED record(s)" in declined.stderr
+    assert "1 approval request(s) with their decisions" in declined.stderr
+    assert "2 spend-cap budget(s), with the spend counted so far" in declined.stderr
     assert populated.get("order-committed") is not None
 
     everything = cli(url, "purge", "--all", "--yes")
-    assert everything.exit_code == 0 and "purged 2 record(s)" in everything.stdout
+    assert everything.exit_code == 0 and "purged 5 record(s)" in everything.stdout
     left = {r.key: r.status for r in populated.records()}
     assert left == {
         "order-uncertain": Status.UNCERTAIN, "order-stale": Status.PENDING,
