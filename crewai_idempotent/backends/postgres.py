@@ -573,6 +573,22 @@ class PostgresCacheBackend(CacheBackend):
         if pool is not None and self._given_pool is None:
             pool.close(timeout=5.0)
 
+    def check_reachable(self) -> None:
+        """Connect once, outside the pool, within connect_timeout_s, and hang up:
+        `LedgerUnavailable` if the server does not answer. For a configuration step
+        (`configure()`, `Crew(...)`), so that a wrong host or a server that is down is
+        reported where it was named. A pool passed in is yours to check."""
+        if self._given_pool is not None:
+            return
+        try:
+            conn = psycopg.connect(self._conninfo, **self._connect_kwargs())
+        except psycopg.Error as exc:
+            raise LedgerUnavailable(
+                "the PostgreSQL server did not accept a connection within "
+                f"connect_timeout_s={self.connect_timeout_s:g}: {_one_line(exc)}"
+            ) from exc
+        conn.close()
+
 
 def _alive(conn: psycopg.Connection[Any]) -> bool:
     """Whether an idle connection is still open, without a round trip.

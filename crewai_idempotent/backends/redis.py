@@ -197,6 +197,12 @@ class RedisCacheBackend(CacheBackend):
     def _record_key(self, key: str) -> str:
         return f"{self.prefix}r:{key}"
 
+    def check_reachable(self) -> None:
+        """One PING within timeout_s: `LedgerUnavailable` if the server does not answer.
+        For a configuration step (`configure()`, `Crew(...)`), so that a wrong host or a
+        server that is down is reported where it was named."""
+        self._call("checking that it answers", lambda resent: self.client.ping(), retry=False)
+
     def _index(self, status: Status) -> str:
         return f"{self.prefix}i:{status.value}"
 
