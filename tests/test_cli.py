@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -687,6 +688,60 @@ def test_export_is_json_lines_with_history(url: str, populated: Ledger) -> None:
         "order-uncertain",
         "order-twice",
     }
+
+
+READ_ONLY_DOCTOR = r"""
+set -e
+mount -t tmpfs none "$MNT"
+mkdir -m 700 "$MNT/app"
+"$PYTHON" -c "
+import sys
+from crewai_idempotent import Ledger, SQLiteCacheBackend
+ledger = Ledger(SQLiteCacheBackend(sys.argv[1])); ledger.run('k', lambda: 1); ledger.close()
+" "$MNT/app/ledger.db"
+mount -o remount,ro "$MNT"
+for url in "sqlite:///$MNT/app/ledger.db" "file://$MNT/app/files"; do
+    "$PYTHON" -m crewai_idempotent.cli --ledger "$url" doctor || echo "exit $?"
+done
+"""
+
+
+def test_doctor_says_read_only_filesystem(tmp_path: Path) -> None:
+    """A tmpfs mounted read-only in a mount namespace of our own (unshare -rm: a user
+    namespace, so no privilege on the host is needed or used)."""
+    unshare = shutil.which("unshare")
+    probe = (
+        subprocess.run([unshare, "-rm", "true"], capture_output=True, timeout=60)
+        if unshare
+        else None
+    )
+    if probe is None or probe.returncode != 0:
+        reason = "unshare -rm (util-linux, user namespaces) is not available here"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    env = {
+        **os.environ,
+        "MNT": str(mount),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    assert unshare is not None
+    done = subprocess.run(
+        [unshare, "-rm", "bash", "-c", READ_ONLY_DOCTOR],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = [line for line in done.stdout.splitlines() if line.startswith("filesystem")]
+    assert len(said) == 2, done.stdout
+    for line in said:
+        assert f"PROBLEM: {mount / 'app'} is on a read-only filesystem" in line
+    assert done.stdout.count("exit 1") == 2
 
 
 def test_doctor_reports_ledger_source_modes_durability_and_support(

@@ -98,8 +98,30 @@ def _ledger_facts(where: Where, out: _Report) -> None:
             )
     else:
         out.fact("source", where.source)
-    for path, required in _local_files(where, out):
+    files = _local_files(where, out)
+    for path, required in files:
         _mode_facts(path, required, out)
+    if files:
+        _filesystem_facts(files[0][0], out)
+
+
+def _filesystem_facts(path: Path, out: _Report) -> None:
+    """A ledger on a read-only filesystem cannot claim anything: say so in those words,
+    for the nearest folder that exists (the ledger's, or the one it would be made in)."""
+    folder = path if path.is_dir() else path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return
+    if info.f_flag & os.ST_RDONLY:
+        out.problem(
+            "filesystem",
+            f"{folder} is on a read-only filesystem: the ledger cannot be written there, so "
+            "no call can be claimed (LedgerUnavailable; nothing runs). Mount it read-write, "
+            "or name a ledger on a writable one",
+        )
 
 
 def _local_files(where: Where, out: _Report) -> list[tuple[Path, bool]]:
