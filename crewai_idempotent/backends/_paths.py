@@ -86,8 +86,9 @@ def require_parent(path: Path, what: str, create_parents: bool) -> None:
     missing = parent
     while not missing.parent.exists() and missing.parent != missing:
         missing = missing.parent
+    nearest = f" ({missing} is missing)" if missing != parent else ""
     raise LedgerConfigurationError(
-        f"the folder {parent} for the {what} {path} does not exist ({missing} is missing); "
+        f"the folder {parent} for the {what} {path} does not exist{nearest}; "
         "a ledger creates only its own file or folder, so that a typo cannot start an empty "
         "ledger beside the real one. Create the folder, or pass create_parents=True "
         "(create_parents=true in a URL)"
