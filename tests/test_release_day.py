@@ -139,6 +139,18 @@ def test_the_relabelled_release_is_newer_than_the_tested_ones() -> None:
     assert is_supported(NEWER) and not is_tested(NEWER)
 
 
+def test_the_newest_tested_release_is_the_matrix_newest() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("noxfile", REPO / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    noxfile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noxfile)
+    releases = noxfile.CREWAI_RELEASES
+    assert releases[-1] == ".".join(map(str, NEWEST_TESTED)), "NEWEST_TESTED follows the matrix"
+    assert all(is_tested(release) for release in releases)
+
+
 def test_many_workers_run_the_self_test_once_and_are_allowed_after_it(
     overlay: Path, tmp_path: Path
 ) -> None:
@@ -220,33 +232,39 @@ def test_a_broken_tool_path_is_refused_naming_the_failing_check(
 # -- the verdict's subject, without running a self-test ----------------------------------
 
 
-def test_the_digest_follows_the_content_not_the_path(tmp_path: Path) -> None:
+def test_the_digest_follows_the_content_not_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tree = tmp_path / "pkg"
     (tree / "sub").mkdir(parents=True)
     (tree / "a.py").write_text("A = 1\n")
     (tree / "sub" / "b.json").write_text("{}")
     (tree / "__pycache__").mkdir()
     (tree / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"compiled")
-    os.environ[_verify.CACHE_ENV] = str(tmp_path / "cache")
-    try:
-        (tmp_path / "cache").mkdir(mode=0o700)
-        first = _verify.tree_digest(tree)
-        copy = tmp_path / "copy"
-        shutil.copytree(tree, copy)
-        assert _verify.tree_digest(copy) == first  # another venv, same install: one verdict
-        (tree / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"recompiled")
-        assert _verify.tree_digest(tree) == first  # bytecode is the interpreter's
-        assert _verify.tree_digest(tree) == first  # from the stat cache now
-        # A modified install, even with its modification time put back, verifies again:
-        # the write changed the file's ctime, which no tool sets back.
-        stat = (tree / "a.py").stat()
+    monkeypatch.setenv(_verify.CACHE_ENV, str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir(mode=0o700)
+    first = _verify.tree_digest(tree)
+    copy = tmp_path / "copy"
+    shutil.copytree(tree, copy)
+    assert _verify.tree_digest(copy) == first  # another venv, same install: one verdict
+    (tree / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"recompiled")
+    assert _verify.tree_digest(tree) == first  # bytecode is the interpreter's
+    assert list((tmp_path / "cache" / "trees").iterdir())  # the stat cache was written
+    assert _verify.tree_digest(tree) == first  # and read
+    # A modified install, even with its modification time put back, verifies again: the
+    # write changed the file's ctime, which no tool sets back.
+    before = (tree / "a.py").stat()
+    for _ in range(1000):  # the kernel's file clock ticks in jiffies: wait for one tick
         (tree / "a.py").write_text("A = 2\n")
-        os.utime(tree / "a.py", ns=(stat.st_atime_ns, stat.st_mtime_ns))
-        assert _verify.tree_digest(tree) != first
-        (tree / "sub" / "c.py").write_text("")
-        assert len({_verify.tree_digest(tree), first}) == 2
-    finally:
-        del os.environ[_verify.CACHE_ENV]
+        if (tree / "a.py").stat().st_ctime_ns != before.st_ctime_ns:
+            break
+        time.sleep(0.001)
+    os.utime(tree / "a.py", ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (tree / "a.py").stat().st_mtime_ns == before.st_mtime_ns
+    modified = _verify.tree_digest(tree)
+    assert modified != first
+    (tree / "sub" / "c.py").write_text("")
+    assert _verify.tree_digest(tree) not in (first, modified)  # a file added
 
 
 def test_a_cache_folder_others_can_write_is_not_trusted(
