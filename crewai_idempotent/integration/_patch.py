@@ -132,6 +132,8 @@ def _install_unverified(version: str) -> None:
     """A release newer than the newest tested, inside the supported minor: the full guard,
     and every flagged tool refuses until the release's self-test has passed on this
     machine (`_verify.Gate`, loaded with the first guarded call)."""
+    # The gate first: a guarded call in another thread never meets the guard without it.
+    _compat.set_pending(_compat.Verification(version, newest_tested()))
     _compat.set_refusal(None)
     try:
         _install()
@@ -141,9 +143,8 @@ def _install_unverified(version: str) -> None:
         message = _compat.untested_message(version, supported_range())
         _warn_once(version, message)
         _compat.set_refusal(message)
+        _compat.set_pending(None)
         _install_fail_closed()
-        return
-    _compat.set_pending(_compat.Verification(version, newest_tested()))
 
 
 def _install_untested(version: str) -> None:
@@ -161,7 +162,8 @@ def _install_untested(version: str) -> None:
         except Exception as exc:  # noqa: BLE001 - never break `import crewai`
             _undo()
             log.warning("crewai-idempotent could not install on crewai %s: %r", version, exc)
-    if is_supported(version):  # CREWAI_IDEMPOTENT_ALLOW_UNTESTED=0: no self-verification
+    if is_supported(version) and not _compat.untested_allowed():
+        # CREWAI_IDEMPOTENT_ALLOW_UNTESTED=0: no self-verification.
         message = _compat.unverified_off_message(version, newest_tested())
     else:
         message = _compat.untested_message(version, supported_range())
