@@ -12,10 +12,12 @@ at the fake provider, the verdict and history files, and `doctor`'s output.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -188,6 +190,47 @@ def test_many_workers_run_the_self_test_once_and_are_allowed_after_it(
     assert f"crewai       {NEWER}: newer than the newest tested release" in doctor.stdout
     assert "self-test    passed: " in doctor.stdout
     assert f"verdict      {verdict}" in doctor.stdout
+
+
+def test_a_self_test_killed_half_way_is_started_again(overlay: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    go = tmp_path / "go-inv-1"
+    go.touch()  # one worker: no barrier to wait at
+    spec = {
+        "provider": str(tmp_path / "charges.jsonl"),
+        "invoice": "inv-1",
+        "ledger": f"sqlite:///{tmp_path / 'ledger.db'}",
+        "cache": str(cache),
+        "ready": str(tmp_path / "ready-inv-1"),
+        "go": str(go),
+    }
+    worker = subprocess.Popen(
+        [PYTHON, "-m", "tests.crewai_support.release_probe", json.dumps(spec)],
+        cwd=REPO,
+        env=_env(overlay, cache, XDG_DATA_HOME=str(tmp_path / "xdg")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ends = time.monotonic() + TIMEOUT
+    killed = None
+    while killed is None:
+        assert worker.poll() is None and time.monotonic() < ends, "no self-test started"
+        for lock in cache.glob("crewai-*.lock") if cache.exists() else ():
+            with contextlib.suppress(ValueError, KeyError):
+                killed = int(json.loads(lock.read_text())["pid"])
+        time.sleep(0.05)
+    os.killpg(killed, signal.SIGKILL)  # the runner and the self-test it started
+
+    out, err = worker.communicate(timeout=TIMEOUT)
+    assert worker.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["result"] and report["first"]["state"] == "running"
+    (run,) = _runs(cache)  # the killed run left nothing; the next call started another
+    assert run["passed"]
+    (lock,) = cache.glob("crewai-*.lock")
+    assert json.loads(lock.read_text())["pid"] != killed
+    assert [c["verdicts"] for c in FakeProvider(tmp_path / "charges.jsonl").effects()] == [1]
 
 
 def _break_native_tool_path(site: Path) -> str:
