@@ -2,8 +2,8 @@
 
 Each session installs this project with one crewai release pinned, runs the crewai
 integration tests (tests/test_crewai_*.py, which include every path x retry source check
-of tests/test_crewai_paths.py) and the offline demo, twice (the embedded default ledger
-and a given file).
+of tests/test_crewai_paths.py) and the offline demo, twice (its throwaway ledger and a
+given file).
 
     nox -s crewai                       # the full matrix: every release, oldest first
     nox -s "crewai(1.10.0)"             # one release
@@ -101,8 +101,8 @@ def crewai(session: nox.Session, release: str) -> None:
         env=OFFLINE,
     )
 
-    # The demo on the embedded default ledger (crewai's storage folder, inside the
-    # session's tmp through XDG_DATA_HOME: no user data is touched) and on a given file.
+    # The demo on its throwaway ledger and on a given file (crewai's storage folder is in
+    # the session's tmp through XDG_DATA_HOME all the same: no user data is touched).
     tmp = Path(session.create_tmp())
     env = {**OFFLINE, "XDG_DATA_HOME": str(tmp / "xdg"), "CREWAI_STORAGE_DIR": "nox-demo"}
     session.run("crewai-idempotent", "demo", env=env)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _gatestore
-from ._backend import CacheBackend
-from ._errors import ApprovalDenied, ApprovalRequired
+from ._backend import CacheBackend, ledger_option, url_of
+from ._errors import ApprovalDenied, ApprovalRequired, command
 from ._record import Record
 
 KIND = "approval/"
@@ -66,9 +66,16 @@ class ApprovalRequest:
     used_at: float | None = None
     used_token: int | None = None
     history: tuple[dict[str, Any], ...] = field(default=())
+    # Not stored: the URL of the ledger it was read from (None: the CLI's default ledger).
+    ledger: str | None = field(default=None, compare=False)
+
+    @property
+    def approve_command(self) -> str:
+        """The command that approves it, naming the ledger when it is not the default."""
+        return command(self.ledger, "approvals", "approve", self.id)
 
     @classmethod
-    def from_doc(cls, d: Mapping[str, Any]) -> ApprovalRequest:
+    def from_doc(cls, d: Mapping[str, Any], ledger: str | None = None) -> ApprovalRequest:
         return cls(
             id=d["id"], key=d["key"], fingerprint=d["fingerprint"], tool=d["tool"],
             state=ApprovalState(d["state"]), summary=dict(d["summary"]), reason=d["reason"],
@@ -76,6 +83,7 @@ class ApprovalRequest:
             round=d["round"], decided_at=d["decided_at"], decided_by=d["decided_by"],
             decision_reason=d["decision_reason"], grant_expires_at=d["grant_expires_at"],
             used_at=d["used_at"], used_token=d["used_token"], history=tuple(d["history"]),
+            ledger=ledger,
         )  # fmt: skip
 
 
@@ -116,14 +124,18 @@ class Approvals:
 
     def __init__(self, backend: CacheBackend) -> None:
         self.backend = backend
+        self._ledger = ledger_option(backend)  # what suggested commands add: --ledger URL
+
+    def _request(self, doc: Mapping[str, Any]) -> ApprovalRequest:
+        return ApprovalRequest.from_doc(doc, self._ledger)
 
     # -- operators ---------------------------------------------------------------------
 
     def get(self, rid: str) -> ApprovalRequest:
         doc = _gatestore.read(self.backend, _doc_key(_check_id(rid)))
         if doc is None:
-            raise ApprovalNotFound(f"no approval request {rid!r} in {self.backend!r}")
-        return ApprovalRequest.from_doc(doc)
+            raise ApprovalNotFound(f"no approval request {rid!r} in {url_of(self.backend)}")
+        return self._request(doc)
 
     def list(self, state: ApprovalState | str | None = None) -> list[ApprovalRequest]:
         wanted = None
@@ -133,7 +145,7 @@ class Approvals:
             except ValueError:
                 names = ", ".join(s.value.lower() for s in ApprovalState)
                 raise ValueError(f"state must be one of {names} or all, not {state!r}") from None
-        found = [ApprovalRequest.from_doc(d) for d in _gatestore.scan(self.backend, KIND)]
+        found = [self._request(d) for d in _gatestore.scan(self.backend, KIND)]
         found = [r for r in found if wanted is None or r.state is wanted]
         return sorted(found, key=lambda r: r.created_at)
 
@@ -158,7 +170,7 @@ class Approvals:
 
         def change(doc: dict[str, Any] | None, now: float) -> dict[str, Any]:
             if doc is None:
-                raise ApprovalNotFound(f"no approval request {rid!r} in {self.backend!r}")
+                raise ApprovalNotFound(f"no approval request {rid!r} in {url_of(self.backend)}")
             current = ApprovalState(doc["state"])
             allowed = (ApprovalState.PENDING,) + (
                 (ApprovalState.APPROVED,) if state is ApprovalState.DENIED else ()
@@ -175,7 +187,7 @@ class Approvals:
             _event(doc, now, state.value.lower(), by, reason)
             return doc
 
-        decided = ApprovalRequest.from_doc(_gatestore.update(self.backend, key, change))
+        decided = self._request(_gatestore.update(self.backend, key, change))
         _notify("decided", decided)
         return decided
 
@@ -208,7 +220,7 @@ class Approvals:
             refusal[0] = None
             if doc is None:
                 created[0] = True
-                refusal[0] = ApprovalRequired(claim.key, rid, tool, reason)
+                refusal[0] = ApprovalRequired(claim.key, rid, tool, reason, ledger=self._ledger)
                 doc = {
                     "kind": "approval", "id": rid, "key": claim.key, "fingerprint": fingerprint,
                     "tool": tool, "state": ApprovalState.PENDING.value, "summary": dict(summary),
@@ -221,7 +233,9 @@ class Approvals:
                 return doc
             state = ApprovalState(doc["state"])
             if state is ApprovalState.PENDING:
-                refusal[0] = ApprovalRequired(claim.key, rid, tool, f"{reason} (still pending)")
+                refusal[0] = ApprovalRequired(
+                    claim.key, rid, tool, f"{reason} (still pending)", ledger=self._ledger
+                )
                 raise _gatestore.Unchanged(doc)
             if state is ApprovalState.DENIED:
                 refusal[0] = ApprovalDenied(
@@ -242,7 +256,9 @@ class Approvals:
             if why_again is not None:
                 doc = _new_round(doc, now, why_again)
                 created[0] = True
-                refusal[0] = ApprovalRequired(claim.key, rid, tool, f"{reason}; {why_again}")
+                refusal[0] = ApprovalRequired(
+                    claim.key, rid, tool, f"{reason}; {why_again}", ledger=self._ledger
+                )
                 return doc
             doc = {**doc, "state": ApprovalState.USED.value, "used_at": now}
             doc["used_token"] = claim.token
@@ -251,7 +267,7 @@ class Approvals:
             return doc
 
         doc = _gatestore.update(self.backend, _doc_key(rid), change)
-        request = ApprovalRequest.from_doc(doc)
+        request = self._request(doc)
         if created[0]:
             _notify("created", request)
         if refusal[0] is not None:

@@ -15,8 +15,10 @@ write; the guard treats any other exception from a backend the same way (fail cl
 from __future__ import annotations
 
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from typing import Any
 
 from ._record import Peek, Record, Status
 
@@ -75,3 +77,33 @@ class CacheBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- naming a store in messages ---------------------------------------------------------
+
+# The backends that are the CLI's own default ledger (the embedded default the crewai
+# integration opens): a command suggested for them needs no --ledger.
+_defaults: weakref.WeakSet[CacheBackend] = weakref.WeakSet()
+
+
+def mark_default(backend: CacheBackend) -> None:
+    _defaults.add(backend)
+
+
+def url_of(backend: Any) -> str:
+    """The ledger URL naming `backend`, passwords as `***`, for messages; a backend that
+    cannot say (one of your own without a `url`) is shown by its repr."""
+    url = getattr(backend, "url", None)
+    return url if isinstance(url, str) else repr(backend)
+
+
+def ledger_option(backend: Any) -> str | None:
+    """The URL a suggested `crewai-idempotent` command must give with --ledger to reach
+    `backend`; None for the embedded default, which the command finds by itself."""
+    try:
+        if backend in _defaults:
+            return None
+    except TypeError:  # an unhashable backend of your own is never the default
+        pass
+    url = getattr(backend, "url", None)
+    return url if isinstance(url, str) else None

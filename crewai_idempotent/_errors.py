@@ -3,6 +3,7 @@ exception is recorded (`classify_failure`): what proves nothing happened, and wh
 
 from __future__ import annotations
 
+import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,15 @@ def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, A
     BaseException.__init__(error, *args)
     error.__dict__.update(state)
     return error
+
+
+def command(ledger: str | None, *args: str) -> str:
+    """A `crewai-idempotent` command line for a message: `--ledger URL` first when the
+    ledger is not the CLI's default (`ledger` is its URL, passwords already `***`)."""
+    words = ["crewai-idempotent"]
+    if ledger:
+        words += ["--ledger", shlex.quote(ledger)]
+    return " ".join([*words, *args])
 
 
 class IdempotencyError(Exception):
@@ -64,17 +74,32 @@ class OperationInProgress(IdempotencyError):
 
 
 class OutcomeUncertain(IdempotencyError):
-    """Whether the operation happened is unknown; nothing runs until it is resolved."""
+    """Whether the operation happened is unknown; nothing runs until it is resolved.
 
-    def __init__(self, key: str, record: Record | None, reason: str) -> None:
+    `ledger`: the URL of the ledger holding the record (None: the CLI's default ledger),
+    which the message's `resolve` command names with --ledger."""
+
+    def __init__(
+        self, key: str, record: Record | None, reason: str, *, ledger: str | None = None
+    ) -> None:
         self.key = key
         self.record = record
         self.reason = reason
-        super().__init__(
-            f"outcome of idempotency key {key!r} is uncertain: {reason}. Nothing runs under "
-            "this key until it is settled: reconcile it with the provider, then "
-            f"`crewai-idempotent resolve {key!r} --happened/--absent`"
+        self.ledger = ledger
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        resolve = command(self.ledger, "resolve", repr(self.key), "--happened/--absent")
+        return (
+            f"outcome of idempotency key {self.key!r} is uncertain: {self.reason}. Nothing "
+            "runs under this key until it is settled: reconcile it with the provider, then "
+            f"`{resolve}`"
         )
+
+    def name_ledger(self, ledger: str | None) -> None:
+        """Say which ledger holds the record (its URL), once the raiser knows."""
+        self.ledger = ledger
+        self.args = (self._message(),)
 
 
 class LedgerUnavailable(IdempotencyError):
@@ -133,19 +158,25 @@ class OutcomeUnknown(Exception):
 class ApprovalRequired(IdempotencyError):
     """The call needs an operator's approval that it does not have yet; nothing was run.
 
-    `request_id` names the stored request (`crewai-idempotent approvals approve ID`).
+    `request_id` names the stored request (`crewai-idempotent approvals approve ID`);
+    `ledger` is the URL of the ledger holding it (None: the CLI's default ledger), which
+    the suggested commands name with --ledger.
     """
 
-    def __init__(self, key: str, request_id: str, tool: str, reason: str) -> None:
+    def __init__(
+        self, key: str, request_id: str, tool: str, reason: str, *, ledger: str | None = None
+    ) -> None:
         self.key = key
         self.request_id = request_id
         self.tool = tool
         self.reason = reason
+        self.ledger = ledger
+        approve = command(ledger, "approvals", "approve", request_id)
+        deny = command(ledger, "approvals", "deny", request_id, "--reason", "...")
         super().__init__(
             f"tool {tool!r} (idempotency key {key!r}) needs approval: {reason}. Nothing was "
-            f"run. Approve it with `crewai-idempotent approvals approve {request_id}` (or "
-            f"deny it with `approvals deny {request_id} --reason ...`), then run the kickoff "
-            "again"
+            f"run. Approve it with `{approve}` (or deny it with `{deny}`), then run the "
+            "kickoff again"
         )
 
 
@@ -184,10 +215,15 @@ class SpendCapExceeded(IdempotencyError):
         self.limit = limit
         self.spent = spent
         self.reserved = reserved
+        from ._spend import format_money  # _spend raises this error: imported when it is made
+
+        def money(minor: int) -> str:
+            return format_money(minor, currency)
+
         super().__init__(
-            f"spend cap {cap!r} refuses idempotency key {key!r}: {amount} {currency} (minor "
-            f"units) on top of {spent} spent and {reserved} reserved would exceed the limit of "
-            f"{limit} {currency}; nothing was run"
+            f"spend cap {cap!r} refuses idempotency key {key!r}: {money(amount)} on top of "
+            f"{money(spent)} spent and {money(reserved)} reserved would exceed the limit of "
+            f"{money(limit)}; nothing was run"
         )
 
 

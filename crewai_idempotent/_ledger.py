@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
-from ._backend import CacheBackend
+from ._backend import CacheBackend, ledger_option, url_of
 from ._errors import (
     BodyFailed,
     IdempotencyError,
@@ -512,6 +512,9 @@ class Ledger(_Machine):
                 else:
                     assert type(step) is _Ask
                     reply = ask(step.reconcile, step.key, step.args)
+        except OutcomeUncertain as uncertain:
+            self._name_ledger(uncertain)
+            raise
         finally:
             steps.close()  # a member that leaves early still leaves its room
 
@@ -564,6 +567,9 @@ class Ledger(_Machine):
                 else:
                     assert type(step) is _Ask
                     reply = await aask(step.reconcile, step.key, step.args, self._lanes.io)
+        except OutcomeUncertain as uncertain:
+            self._name_ledger(uncertain)
+            raise
         finally:
             steps.close()
 
@@ -592,8 +598,14 @@ class Ledger(_Machine):
         except Exception:  # the caller is gone; the lease lapses and the next one decides
             log.exception("could not release the unstarted claim on %r", claim.key)
 
+    def _name_ledger(self, uncertain: OutcomeUncertain) -> None:
+        """An uncertain outcome says which ledger holds the record: its `resolve` command
+        names this ledger with --ledger unless it is the CLI's default."""
+        if uncertain.ledger is None:
+            uncertain.name_ledger(ledger_option(self.backend))
+
     def _unavailable(self, exc: Exception) -> LedgerUnavailable:
-        error = LedgerUnavailable(f"{self.backend!r}: {type(exc).__name__}: {exc}")
+        error = LedgerUnavailable(f"{url_of(self.backend)}: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return error
 

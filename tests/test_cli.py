@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -327,12 +328,20 @@ def test_purge(url: str, populated: Ledger) -> None:
     assert result.exit_code == 0 and "purged 1 record(s)" in result.stdout
     assert populated.get("order-expired") is None and populated.get("order-committed")
 
+    # The gates' state lives in the ledger as records: --all takes it too, and says so.
+    from crewai_idempotent import _gatestore
+
+    for key in ("approval/ap_" + "1" * 20, "spend/pay/day-EUR/2026-12-01", "spend/pay/total"):
+        _gatestore.update(populated.backend, _gatestore.PREFIX + key, lambda doc, now: {"k": 1})
     declined = cli(url, "purge", "--all", input="n\n")
     assert declined.exit_code == 1 and "receipts are lost" in declined.stderr
+    assert "2 COMMITTED and FAILED record(s)" in declined.stderr
+    assert "1 approval request(s) with their decisions" in declined.stderr
+    assert "2 spend-cap budget(s), with the spend counted so far" in declined.stderr
     assert populated.get("order-committed") is not None
 
     everything = cli(url, "purge", "--all", "--yes")
-    assert everything.exit_code == 0 and "purged 2 record(s)" in everything.stdout
+    assert everything.exit_code == 0 and "purged 5 record(s)" in everything.stdout
     left = {r.key: r.status for r in populated.records()}
     assert left == {
         "order-uncertain": Status.UNCERTAIN, "order-stale": Status.PENDING,
@@ -395,10 +404,12 @@ def test_default_ledger_is_the_integrations(
 
 
 def test_demo_calls_run_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    calls: list[tuple[Any, Any]] = []
+    calls: list[tuple[Any, Any, Any]] = []
 
-    def run_demo(ledger_path: str | None = None, *, console: Any = None) -> int:
-        calls.append((ledger_path, console))
+    def run_demo(
+        ledger_path: str | None = None, *, ledger_url: str | None = None, console: Any = None
+    ) -> int:
+        calls.append((ledger_path, ledger_url, console))
         console.print("demo ran")
         return 3
 
@@ -409,8 +420,13 @@ def test_demo_calls_run_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     env = {"CREWAI_IDEMPOTENCY_URL": "sqlite:///must/not/be/used.db"}
     result = cli(None, "demo", "--ledger-path", target, env=env)
     assert result.exit_code == 3 and "demo ran" in result.stdout
-    assert calls[0][0] == target and calls[0][1] is not None
-    assert cli(None, "demo", env=env).exit_code == 3 and calls[1][0] is None
+    assert calls[-1][:2] == (target, None) and calls[-1][2] is not None
+    # The environment's ledger is never the demo's: a throwaway one unless --ledger.
+    assert cli(None, "demo", env=env).exit_code == 3 and calls[-1][:2] == (None, None)
+    url = f"sqlite:///{tmp_path / 'kept.db'}"
+    assert cli(url, "demo", env=env).exit_code == 3 and calls[-1][:2] == (None, url)
+    both = cli(url, "demo", "--ledger-path", target)
+    assert both.exit_code == 2 and "not both" in both.stderr
 
 
 def test_demo_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -672,6 +688,60 @@ def test_export_is_json_lines_with_history(url: str, populated: Ledger) -> None:
         "order-uncertain",
         "order-twice",
     }
+
+
+READ_ONLY_DOCTOR = r"""
+set -e
+mount -t tmpfs none "$MNT"
+mkdir -m 700 "$MNT/app"
+"$PYTHON" -c "
+import sys
+from crewai_idempotent import Ledger, SQLiteCacheBackend
+ledger = Ledger(SQLiteCacheBackend(sys.argv[1])); ledger.run('k', lambda: 1); ledger.close()
+" "$MNT/app/ledger.db"
+mount -o remount,ro "$MNT"
+for url in "sqlite:///$MNT/app/ledger.db" "file://$MNT/app/files"; do
+    "$PYTHON" -m crewai_idempotent.cli --ledger "$url" doctor || echo "exit $?"
+done
+"""
+
+
+def test_doctor_says_read_only_filesystem(tmp_path: Path) -> None:
+    """A tmpfs mounted read-only in a mount namespace of our own (unshare -rm: a user
+    namespace, so no privilege on the host is needed or used)."""
+    unshare = shutil.which("unshare")
+    probe = (
+        subprocess.run([unshare, "-rm", "true"], capture_output=True, timeout=60)
+        if unshare
+        else None
+    )
+    if probe is None or probe.returncode != 0:
+        reason = "unshare -rm (util-linux, user namespaces) is not available here"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    env = {
+        **os.environ,
+        "MNT": str(mount),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    assert unshare is not None
+    done = subprocess.run(
+        [unshare, "-rm", "bash", "-c", READ_ONLY_DOCTOR],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = [line for line in done.stdout.splitlines() if line.startswith("filesystem")]
+    assert len(said) == 2, done.stdout
+    for line in said:
+        assert f"PROBLEM: {mount / 'app'} is on a read-only filesystem" in line
+    assert done.stdout.count("exit 1") == 2
 
 
 def test_doctor_reports_ledger_source_modes_durability_and_support(

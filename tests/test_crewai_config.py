@@ -78,6 +78,34 @@ def test_crew_idempotency_config_is_really_used(
     assert not default_ledger_path().exists()
 
 
+def test_crew_settings_as_a_dict_are_checked_like_configure(
+    charges: FakeProvider, tmp_path: Path
+) -> None:
+    # Documented: the settings as a dict, as a YAML or JSON crew configuration gives them.
+    url = f"sqlite:///{tmp_path / 'dict-ledger.db'}"
+    _kickoff(True, charges, idempotency={"backend": url, "on_uncertain": "raise"})
+    with SQLiteCacheBackend(tmp_path / "dict-ledger.db") as backend:
+        assert _keys(backend) == ["pay:inv-1"]
+    charge = charge_tool(charges, idempotent=True)
+    with pytest.raises(LedgerConfigurationError) as refused:
+        payment_crew([charge], scripted(True), idempotency={"bakend": url})
+    assert "Crew(idempotency={...}): unknown setting 'bakend' (did you mean 'backend'?)" in str(
+        refused.value
+    )
+    assert not default_ledger_path().exists()
+
+
+def test_a_misspelt_configure_setting_names_the_close_match() -> None:
+    with pytest.raises(LedgerConfigurationError) as refused:
+        configure(wiat_s=3)
+    message = str(refused.value)
+    assert "configure(): unknown setting 'wiat_s' (did you mean 'wait_s'?)" in message
+    assert "the settings are backend, on_uncertain" in message
+    assert configure(None) is None  # nothing was set
+    with pytest.raises(LedgerConfigurationError, match=r"'zzz'; the settings are"):
+        configure(zzz=1)  # nothing close: no guess
+
+
 def test_crew_backend_as_url(charges: FakeProvider, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'url-ledger.db'}"
     _kickoff(True, charges, cache_backend=url)
@@ -157,7 +185,7 @@ def test_conflicting_crew_settings_are_refused(tmp_path: Path, charges: FakeProv
     llm = scripted(True)
     with pytest.raises(ValueError, match="name two different ledgers"):
         payment_crew([charge], llm, cache_backend=one, idempotency=IdempotencyConfig(backend=two))
-    with pytest.raises(TypeError, match=r"takes a crewai_idempotent\.IdempotencyConfig"):
+    with pytest.raises(TypeError, match=r"takes a crewai_idempotent\.IdempotencyConfig or a dict"):
         payment_crew([charge], llm, idempotency="sqlite:///x.db")
     with pytest.raises(TypeError, match="CacheBackend or a ledger URL"):
         payment_crew([charge], llm, cache_backend=object())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from crewai_idempotent import SQLiteCacheBackend, Status
+from crewai_idempotent import FileLockCacheBackend, SQLiteCacheBackend, Status
 from crewai_idempotent.demo import main, run_demo
 from crewai_idempotent.integration import default_ledger_path
 
@@ -23,7 +23,7 @@ def _console() -> tuple[Console, io.StringIO]:
     return console, buffer
 
 
-def test_demo_charges_once_on_the_embedded_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_demo_charges_once_on_a_throwaway_ledger(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CREWAI_IDEMPOTENCY_URL", "mysql://not/consulted")  # the demo's own ledger
     console, buffer = _console()
 
@@ -36,8 +36,20 @@ def test_demo_charges_once_on_the_embedded_default(monkeypatch: pytest.MonkeyPat
     assert "guardrail rejected" in text and "retries the agent" in text
     assert "charges at the fake provider: 1" in text
     assert "[/]" not in text and "[bold" not in text  # styles applied, not printed
-    assert str(default_ledger_path()) in text
-    with SQLiteCacheBackend(default_ledger_path()) as backend:
+    (said,) = [line for line in text.splitlines() if line.startswith("ledger: ")]
+    assert "(a throwaway ledger, deleted when the demo ends;" in said
+    assert "crewai-idempotent --ledger URL demo" in said
+    folder = Path(said.split("sqlite:///", 1)[1].split(" ", 1)[0]).parent
+    assert folder.name.startswith("crewai-idempotent-demo-") and not folder.exists()
+    assert not default_ledger_path().exists()  # the user's real ledger is left alone
+
+
+def test_demo_on_a_ledger_url(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'kept'}"
+    console, buffer = _console()
+    assert run_demo(ledger_url=url, console=console) == 0
+    assert f"ledger: {url} (given with --ledger)" in buffer.getvalue()
+    with FileLockCacheBackend(tmp_path / "kept") as backend:
         (record,) = backend.scan(Status.COMMITTED)
     assert record.key.startswith("charge:INV-")
 

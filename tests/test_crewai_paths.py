@@ -63,17 +63,25 @@ def test_a_check_fails_when_the_guard_is_not_in_front(
     assert not result.passed and "charges made ['inv-1', 'inv-1']" in result.detail
 
 
-def test_doctor_self_test_reports_every_check(tmp_path: Path) -> None:
-    done = subprocess.run(
+def test_doctor_self_test_reports_every_check_as_it_finishes(tmp_path: Path) -> None:
+    process = subprocess.Popen(
         [PYTHON, "-m", "crewai_idempotent.cli", "doctor", "--self-test"],
         cwd=tmp_path,
         env=subprocess_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = done.stdout.splitlines()
+    assert process.stdout is not None
+    lines = [process.stdout.readline().rstrip("\n")]
+    lines.append(process.stdout.readline().rstrip("\n"))
+    # The first check's line arrives while the others still run, not all at the end.
+    running_after_first = process.poll() is None
+    rest, errors = process.communicate(timeout=600)
+    lines += rest.splitlines()
+    assert process.returncode == 0, "\n".join(lines)[-3000:] + errors[-3000:]
+    assert running_after_first
     assert lines[0] == f"crewai {CREWAI}: {len(CHECKS)} checks (path x retry source [executor])"
+    assert lines[1].startswith("  pass  ")
     assert sum(line.startswith("  pass  ") for line in lines) == len(CHECKS)
     assert lines[-1].startswith("self-test passed in ")

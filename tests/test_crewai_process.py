@@ -291,7 +291,8 @@ UNTESTED_IMPORT = r"""
 import json, warnings
 warnings.simplefilter("always")
 from crewai_idempotent.integration import _patch
-_patch.is_supported = lambda version: False  # stands for a crewai newer than the range
+# Stands for a crewai outside the supported range (older, or a newer minor).
+_patch.is_tested = _patch.is_supported = lambda version: False
 with warnings.catch_warnings(record=True) as caught:
     import crewai  # activates the integration through the import hook
 from crewai.tools import tool

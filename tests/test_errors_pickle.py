@@ -10,7 +10,7 @@ import pytest
 
 import crewai_idempotent
 from crewai_idempotent import Owner, Record, Status
-from crewai_idempotent.integration import UnsupportedCrewAIVersion
+from crewai_idempotent.integration import UnsupportedCrewAIVersion, UnverifiedCrewAIVersion
 
 RECORD = Record(
     key="pay:1",
@@ -94,6 +94,10 @@ def test_every_public_error_pickles(cls: type[BaseException]) -> None:
 def test_unsupported_crewai_version_pickles() -> None:
     error = UnsupportedCrewAIVersion("crewai 2.0")
     _same(error, pickle.loads(pickle.dumps(error)))
+    unverified = UnverifiedCrewAIVersion("crewai 1.15.31: its self-test is running", "running")
+    copy = pickle.loads(pickle.dumps(unverified))
+    _same(unverified, copy)
+    assert copy.state == "running"
 
 
 def _raise_conflict(_: int) -> None:

@@ -69,6 +69,9 @@ def _url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'ledger.db'}"
 
 
+WIDE = {"COLUMNS": "400"}
+
+
 def _cli(url: str, *args: str) -> str:
     result = CliRunner().invoke(cli, ["--ledger", url, *args], catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -129,7 +132,7 @@ def test_three_invoices_one_large_then_approve_and_a_fourth_over_the_cap(
         backend.close()
     assert sorted(budgets.values()) == [(50_000, 0), (80_000, 0)]  # one window per kickoff
     shown = _cli(url, "spend")
-    assert "committed 80000" in shown and "limit 130000 EUR" in shown
+    assert "committed 800.00 EUR" in shown and "limit 1,300.00 EUR" in shown
 
     third = scripted(native, [("pay_invoice", LARGE)])
     crew, _ = payment_crew([pay], third, cache_backend=url)
@@ -251,6 +254,20 @@ def test_bad_gate_options_are_refused_where_given() -> None:
         IdempotencyConfig(caps=[100])
 
 
+def test_the_approvals_demo_says_it_all_and_leaves_nothing_behind() -> None:
+    result = CliRunner().invoke(cli, ["demo-approvals"], catch_exceptions=False, env=WIDE)
+    assert result.exit_code == 0, result.output
+    # The cap's refusal, whole: the reason comes at its end.
+    (refusal,) = [line for line in result.output.splitlines() if "spend cap" in line]
+    assert refusal.rstrip().endswith("would exceed the limit of 1,200.00 EUR; nothing was run")
+    (said,) = [line for line in result.output.splitlines() if line.startswith("Ledger: ")]
+    url = said.split()[1]
+    assert "(a throwaway ledger, deleted when the demo ends;" in said
+    assert f"Operator: crewai-idempotent --ledger {url} approvals approve ap_" in result.output
+    folder = Path(url.removeprefix("sqlite://")).parent
+    assert folder.name.startswith("crewai-idempotent-demo-approvals-") and not folder.exists()
+
+
 def test_the_approvals_demo_runs_offline(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         cli, ["demo-approvals", "--ledger-path", str(tmp_path / "demo.db")], catch_exceptions=False
@@ -259,4 +276,4 @@ def test_the_approvals_demo_runs_offline(tmp_path: Path) -> None:
     assert "needs approval" in result.output and "refused by the per-kickoff cap" in result.output
     url = f"sqlite:///{tmp_path / 'demo.db'}"
     assert "USED" in _cli(url, "approvals", "ls", "--state", "all")
-    assert "committed 90000" in _cli(url, "spend")
+    assert "committed 900.00 EUR" in _cli(url, "spend")

@@ -182,7 +182,7 @@ def test_folder_writable_by_others_is_refused(tmp_path: Path, counter: Counter, 
 
 def test_new_ledger_file_and_folder_are_private(tmp_path: Path) -> None:
     path = tmp_path / "fresh" / "nested" / "ledger.db"
-    SQLiteCacheBackend(path).close()
+    SQLiteCacheBackend(path, create_parents=True).close()
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert os.stat(path.parent).st_mode & 0o777 == 0o700
     folder = tmp_path / "files"

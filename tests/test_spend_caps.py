@@ -17,7 +17,7 @@ import pytest
 from crewai_idempotent import CacheBackend, Ledger, OutcomeUnknown, Status, backend_from_url
 from crewai_idempotent._errors import OutcomeUncertain, SpendCapExceeded
 from crewai_idempotent._gating import Plan
-from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where, windows
+from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where, format_money, windows
 from tests.conftest import DURABLE_BACKENDS
 from tests.faults.provider import Provider
 from tests.forked_race import fork_together
@@ -74,6 +74,8 @@ def test_calls_that_fit_run_and_the_next_is_refused_with_the_numbers(
         _pay(ledger, provider, "inv-3", 1, [cap])
     assert refused.value.limit == 100 and refused.value.spent == 100
     assert refused.value.amount == 1 and refused.value.cap.startswith("pay/kickoff-EUR/")
+    assert "0.01 EUR on top of 1.00 EUR spent" in str(refused.value)
+    assert "the limit of 1.00 EUR" in str(refused.value)
     assert [e["key"] for e in provider.effects()] == ["inv-1", "inv-2"]
     assert _budget(backend) == (100, 0)
     # The refused call's claim was released as FAILED: nothing ran, a later try may run.
@@ -172,6 +174,25 @@ def test_other_currencies_do_not_count(backend: CacheBackend, tmp_path: Path) ->
     ledger.run("usd-1", lambda: provider.charge("usd-1"), fingerprint="fp-usd", stage=plan)
     assert SpendLedger(backend).budgets() == []
     assert len(provider.effects()) == 1
+
+
+@pytest.mark.parametrize(
+    ("amount", "currency", "shown"),
+    [
+        (120_000, "EUR", "1,200.00 EUR"),
+        (5, "USD", "0.05 USD"),
+        (0, "EUR", "0.00 EUR"),
+        (1_200, "JPY", "1,200 JPY"),
+        (1_500, "KWD", "1.500 KWD"),
+        (12_345, "CLF", "1.2345 CLF"),
+        (123_456_789, "XAU", "123,456,789 XAU"),
+    ],
+)
+def test_money_is_shown_in_major_units_with_the_currency_exponent(
+    amount: int, currency: str, shown: str
+) -> None:
+    assert format_money(amount, currency) == shown
+    assert str(Money(amount, currency)) == shown
 
 
 def test_bad_amounts_and_caps_are_refused_clearly() -> None:

@@ -28,3 +28,14 @@ def test_code_is_formatted() -> None:
 def test_package_type_checks() -> None:
     done = _run("mypy")
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_all_extra_holds_every_optional_backend_and_integration() -> None:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    users = set(extras) - {"all", "test", "bench"}  # the others are for working on this
+    assert users == {"postgres", "redis", "otel"}, "a new extra: add it to [all] too"
+    assert sorted(extras["all"]) == sorted(dep for name in users for dep in extras[name])

@@ -35,6 +35,7 @@ def test_three_slashes_are_relative_four_are_absolute(in_tmp: Path, tmp_path: Pa
     relative = backend_from_url("sqlite:///ledger.db")
     assert isinstance(relative, SQLiteCacheBackend)
     assert relative.path == in_tmp / "ledger.db" and relative.path.is_file()
+    (in_tmp / "data").mkdir()
     nested = backend_from_url("sqlite:///data/ledger.db")
     assert isinstance(nested, SQLiteCacheBackend) and nested.path == in_tmp / "data" / "ledger.db"
     absolute = backend_from_url(f"sqlite:///{tmp_path / 'abs.db'}")  # sqlite:////tmp/...
@@ -55,6 +56,52 @@ def test_an_old_absolute_url_is_refused_rather_than_starting_an_empty_ledger(
         backend_from_url(old_style)
     assert f"sqlite:///{tmp_path / 'old.db'}" in str(caught.value)
     assert list(in_tmp.iterdir()) == []
+
+
+def test_a_missing_folder_is_refused_not_created(in_tmp: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "srv" / "does" / "not" / "exist"
+    for url, what in (
+        (f"sqlite:///{missing / 'ledger.db'}", "ledger file"),
+        (f"file://{missing / 'ledger'}", "ledger folder"),
+    ):
+        with pytest.raises(LedgerConfigurationError) as refused:
+            backend_from_url(url)
+        message = str(refused.value)
+        assert f"the folder {missing} for the {what}" in message
+        assert f"({tmp_path / 'srv'} is missing)" in message and "create_parents" in message
+    with pytest.raises(LedgerConfigurationError, match="does not exist"):
+        SQLiteCacheBackend(missing / "ledger.db")
+    with pytest.raises(LedgerConfigurationError, match="does not exist"):
+        FileLockCacheBackend(missing / "ledger")
+    assert not (tmp_path / "srv").exists() and list(in_tmp.iterdir()) == []
+    # A ledger's own file or folder is made: its parent exists.
+    for backend in (
+        backend_from_url(f"sqlite:///{tmp_path / 'own.db'}"),
+        backend_from_url(f"file://{tmp_path / 'own'}"),
+    ):
+        backend.close()
+
+
+def test_a_three_slash_url_meant_as_absolute_names_the_four_slash_form(in_tmp: Path) -> None:
+    with pytest.raises(LedgerConfigurationError) as refused:
+        backend_from_url("sqlite:///srv/app/ledger.db")
+    message = str(refused.value)
+    assert f"names {in_tmp / 'srv' / 'app' / 'ledger.db'} (three slashes" in message
+    assert "write sqlite:////srv/app/ledger.db (four slashes)" in message
+    assert list(in_tmp.iterdir()) == []  # nothing made under the current directory
+
+
+def test_create_parents_lays_out_a_fresh_host(in_tmp: Path, tmp_path: Path) -> None:
+    relative = backend_from_url("sqlite:///srv/app/ledger.db?create_parents=true")
+    assert isinstance(relative, SQLiteCacheBackend)
+    assert relative.path == in_tmp / "srv" / "app" / "ledger.db" and relative.path.is_file()
+    folder = tmp_path / "deploy" / "ledger"
+    files = backend_from_url(f"file://{folder}?create_parents=true")
+    assert isinstance(files, FileLockCacheBackend) and folder.is_dir()
+    code = SQLiteCacheBackend(tmp_path / "deep" / "er" / "l.db", create_parents=True)
+    for backend in (relative, files, code):
+        backend.close()
+    assert oct((in_tmp / "srv" / "app").stat().st_mode & 0o777) == oct(0o700)
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,18 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
+def with_options(url: str, options: Mapping[str, Any]) -> str:
+    """`url` with `options` added to its query (booleans as true/false), for a URL that
+    names a backend as it was configured."""
+    pairs = [
+        f"{quote(name)}={quote(str(value).lower() if isinstance(value, bool) else str(value))}"
+        for name, value in options.items()
+    ]
+    if not pairs:
+        return url
+    return url + ("&" if "?" in url else "?") + "&".join(pairs)
+
+
 def local_options(
     url: str, known: Mapping[str, Callable[[str], Any]], scheme: str
 ) -> dict[str, Any]:

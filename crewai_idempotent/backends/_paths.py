@@ -7,6 +7,11 @@ is refused, except a sticky one such as /tmp, which is safe for a file this user
 the sticky bit stops other users from deleting or renaming it, and a file they planted
 first (or a symlink) is refused by owner and type. `allow_insecure_path=True` waives
 every check.
+
+A ledger creates at most its own file or folder: a missing parent folder is a
+`LedgerConfigurationError` naming it, unless `create_parents=True` (a deployment script
+that lays out a fresh host). A typo in a path must not start an empty ledger beside the
+real one, and a run body then run again.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import os
 import stat
 from pathlib import Path
 
-from .._errors import LedgerUnavailable
+from .._errors import LedgerConfigurationError, LedgerUnavailable
 
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 _OVERRIDE = "pass allow_insecure_path=True if you accept that risk"
@@ -73,14 +78,33 @@ def _check_folder(folder: Path, allow_insecure: bool) -> None:
     check_trusted(st, folder, "ledger folder")
 
 
-def private_folder(folder: Path, allow_insecure: bool) -> Path:
-    """Create `folder` 0700 if absent; refuse a symlink, or a folder another user owns or
-    may write to."""
+def require_parent(path: Path, what: str, create_parents: bool) -> None:
+    """Refuse `path` when its parent folder does not exist, unless `create_parents`."""
+    parent = path.parent
+    if create_parents or parent.is_dir():
+        return
+    missing = parent
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    nearest = f" ({missing} is missing)" if missing != parent else ""
+    raise LedgerConfigurationError(
+        f"the folder {parent} for the {what} {path} does not exist{nearest}; "
+        "a ledger creates only its own file or folder, so that a typo cannot start an empty "
+        "ledger beside the real one. Create the folder, or pass create_parents=True "
+        "(create_parents=true in a URL)"
+    )
+
+
+def private_folder(folder: Path, allow_insecure: bool, *, create_parents: bool = False) -> Path:
+    """Create `folder` 0700 if absent (its parents too only with `create_parents`); refuse a
+    symlink, or a folder another user owns or may write to."""
     folder = folder.expanduser().absolute()
     if folder.is_symlink() and not allow_insecure:
         raise LedgerUnavailable(
             f"ledger folder {folder} is a symlink; refusing it (pass allow_insecure_path=True)"
         )
+    if not folder.exists():
+        require_parent(folder, "ledger folder", create_parents)
     try:
         if not folder.exists():
             os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -102,13 +126,17 @@ def _shared_sticky(folder: Path) -> bool:
     )
 
 
-def private_file(path: Path, allow_insecure: bool) -> tuple[Path, os.stat_result]:
-    """Create the ledger file 0600 if absent, or check the one that exists.
+def private_file(
+    path: Path, allow_insecure: bool, *, create_parents: bool = False
+) -> tuple[Path, os.stat_result]:
+    """Create the ledger file 0600 if absent, or check the one that exists. Its folder must
+    exist already unless `create_parents` (then it is made 0700).
 
     Returns the absolute path and the file's identity (its stat), which the backend
     compares later to notice the file being deleted or replaced under it.
     """
     path = path.expanduser().absolute()
+    require_parent(path, "ledger file", create_parents)
     if path.is_symlink() and not allow_insecure:
         raise LedgerUnavailable(
             f"ledger path {path} is a symlink; refusing it (pass allow_insecure_path=True)"
@@ -118,7 +146,7 @@ def private_file(path: Path, allow_insecure: bool) -> tuple[Path, os.stat_result
     except OSError as exc:
         raise LedgerUnavailable(f"cannot inspect ledger folder {path.parent}: {exc}") from exc
     if not sticky:
-        private_folder(path.parent, allow_insecure)
+        private_folder(path.parent, allow_insecure, create_parents=True)
     try:
         # O_EXCL and O_NOFOLLOW: in a shared folder the file is either created here, by
         # this user, or it already existed and is checked below like any other.

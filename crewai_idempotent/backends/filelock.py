@@ -43,14 +43,17 @@ from .. import _fork
 from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._record import Peek, Record, Status
-from ._options import configuration_errors, flag, local_options
+from ._options import configuration_errors, flag, local_options, with_options
 from ._paths import check_trusted, private_folder
 
 T = TypeVar("T")
 
 
 class FileLockCacheBackend(CacheBackend):
-    """A ledger folder holding one JSON file per key (named by the key's SHA-256)."""
+    """A ledger folder holding one JSON file per key (named by the key's SHA-256).
+
+    The folder is created 0700 if absent; its parent must exist, unless
+    `create_parents=True`."""
 
     read_first = True  # a read is one open() of a local file: replays peek before claiming
 
@@ -61,8 +64,11 @@ class FileLockCacheBackend(CacheBackend):
         fsync: bool = True,
         lock_timeout_s: float = 10.0,
         allow_insecure_path: bool = False,
+        create_parents: bool = False,
     ) -> None:
-        self.directory = private_folder(Path(directory), allow_insecure_path)
+        self.directory = private_folder(
+            Path(directory), allow_insecure_path, create_parents=create_parents
+        )
         self.fsync = fsync
         self.lock_timeout_s = lock_timeout_s
         self.allow_insecure_path = allow_insecure_path
@@ -91,12 +97,18 @@ class FileLockCacheBackend(CacheBackend):
     def __repr__(self) -> str:
         return f"FileLockCacheBackend({str(self.directory)!r})"
 
+    @property
+    def url(self) -> str:
+        """The URL that names this ledger (for messages and the CLI's --ledger)."""
+        options = {"allow_insecure_path": True} if self.allow_insecure_path else {}
+        return with_options(file_url(self.directory), options)
+
     # -- URL (RFC 8089) ----------------------------------------------------------------
 
     @classmethod
     def from_url(cls, url: str) -> Self:
-        """`file:///absolute/dir` with the options `fsync` and `allow_insecure_path`;
-        anything else is a `LedgerConfigurationError`."""
+        """`file:///absolute/dir` with the options `fsync`, `allow_insecure_path` and
+        `create_parents`; anything else is a `LedgerConfigurationError`."""
         options = local_options(url, _URL_OPTIONS, "file")
         with configuration_errors():
             return cls(cls.path_from_url(url), **options)
@@ -377,6 +389,7 @@ class FileLockCacheBackend(CacheBackend):
 _URL_OPTIONS: dict[str, Callable[[str], Any]] = {
     "fsync": flag,
     "allow_insecure_path": flag,
+    "create_parents": flag,
 }
 
 

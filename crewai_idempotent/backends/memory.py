@@ -68,3 +68,8 @@ class InMemoryCacheBackend(CacheBackend):
 
     def __repr__(self) -> str:
         return "InMemoryCacheBackend()"
+
+    @property
+    def url(self) -> str:
+        """memory:// (this process's own, which no other process can open)."""
+        return "memory://"

@@ -50,7 +50,7 @@ from .._backend import CacheBackend
 from .._errors import LedgerUnavailable
 from .._record import Record, Status
 from ._clock import ServerClock
-from ._options import configuration_errors, split_server_options
+from ._options import configuration_errors, redact, split_server_options, with_options
 from ._postgres_deadline import GRACE_S, Budget, Connecting, watchdog
 from ._postgres_schema import (
     DEFAULT_TABLE,
@@ -144,6 +144,19 @@ class PostgresCacheBackend(CacheBackend):
     def __repr__(self) -> str:
         return f"PostgresCacheBackend({self.where!r}, table={self._sql.label!r})"
 
+    @property
+    def url(self) -> str:
+        """The URL that names this ledger, its password as `***` (for messages and the
+        CLI's --ledger)."""
+        options: dict[str, Any] = {}
+        if self.table != DEFAULT_TABLE:
+            options["table"] = self.table
+        if self.schema is not None:
+            options["schema"] = self.schema
+        if self._conninfo.startswith(("postgresql://", "postgres://")):
+            return with_options(redact(self._conninfo), options)
+        return with_options(f"postgresql://{self.where}", options)  # key=value or a pool
+
     @classmethod
     def from_url(cls, url: str) -> Self:
         """`postgresql://user:pass@host:port/db?table=...&max_size=...`; libpq's own
@@ -187,13 +200,13 @@ class PostgresCacheBackend(CacheBackend):
             return pool
         with self._lock:
             if self._closed:
-                raise LedgerUnavailable(f"{self!r} is closed")
+                raise LedgerUnavailable(f"the ledger {self.url} is closed")
             if self._pool is None:
                 if self._given_pool is None:
                     self._pool = self._new_pool()
                 elif self._inherited:
                     raise LedgerUnavailable(
-                        f"{self!r}: a ConnectionPool passed in cannot be used after fork(); "
+                        f"{self.url}: a ConnectionPool passed in cannot be used after fork(); "
                         "create the pool and the backend in the child process"
                     )
                 else:
@@ -559,6 +572,22 @@ class PostgresCacheBackend(CacheBackend):
             pool, self._pool = self._pool, None
         if pool is not None and self._given_pool is None:
             pool.close(timeout=5.0)
+
+    def check_reachable(self) -> None:
+        """Connect once, outside the pool, within connect_timeout_s, and hang up:
+        `LedgerUnavailable` if the server does not answer. For a configuration step
+        (`configure()`, `Crew(...)`), so that a wrong host or a server that is down is
+        reported where it was named. A pool passed in is yours to check."""
+        if self._given_pool is not None:
+            return
+        try:
+            conn = psycopg.connect(self._conninfo, **self._connect_kwargs())
+        except psycopg.Error as exc:
+            raise LedgerUnavailable(
+                "the PostgreSQL server did not accept a connection within "
+                f"connect_timeout_s={self.connect_timeout_s:g}: {_one_line(exc)}"
+            ) from exc
+        conn.close()
 
 
 def _alive(conn: psycopg.Connection[Any]) -> bool:

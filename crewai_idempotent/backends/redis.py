@@ -54,7 +54,7 @@ from .._backend import CacheBackend
 from .._errors import LedgerUnavailable
 from .._record import Record, Status
 from ._clock import ServerClock
-from ._options import configuration_errors, flag, split_server_options
+from ._options import configuration_errors, flag, redact, split_server_options, with_options
 from ._redis_deadline import bounded, deadline
 from ._redis_scripts import CLAIM, DELETE, REPLACE
 
@@ -168,6 +168,20 @@ class RedisCacheBackend(CacheBackend):
     def __repr__(self) -> str:
         return f"RedisCacheBackend({self.where!r}, prefix={self.prefix!r})"
 
+    @property
+    def url(self) -> str:
+        """The URL that names this ledger, its password as `***` (for messages and the
+        CLI's --ledger)."""
+        options = {"prefix": self.prefix} if self.prefix != DEFAULT_PREFIX else {}
+        if self._url is not None:
+            base = redact(self._url)
+        elif self.where.startswith("unix:"):
+            path, _, db = self.where.removeprefix("unix:").rpartition("/")
+            base = f"unix://{path}?db={db}"
+        else:
+            base = f"redis://{self.where}"
+        return with_options(base, options)
+
     @classmethod
     def from_url(cls, url: str) -> Self:
         """`redis://[:password@]host:port/db?prefix=...`, `rediss://` for TLS; redis-py's
@@ -183,6 +197,12 @@ class RedisCacheBackend(CacheBackend):
     def _record_key(self, key: str) -> str:
         return f"{self.prefix}r:{key}"
 
+    def check_reachable(self) -> None:
+        """One PING within timeout_s: `LedgerUnavailable` if the server does not answer.
+        For a configuration step (`configure()`, `Crew(...)`), so that a wrong host or a
+        server that is down is reported where it was named."""
+        self._call("checking that it answers", lambda resent: self.client.ping(), retry=False)
+
     def _index(self, status: Status) -> str:
         return f"{self.prefix}i:{status.value}"
 
@@ -192,7 +212,7 @@ class RedisCacheBackend(CacheBackend):
         off, while time is left): the first send may or may not have been applied, and
         the scripts account for that."""
         if self._closed:
-            raise LedgerUnavailable(f"{self!r} is closed")
+            raise LedgerUnavailable(f"the ledger {self.url} is closed")
         outer = getattr(deadline, "at", None)
         ends = time.monotonic() + self.timeout_s
         deadline.at = ends if outer is None else min(outer, ends)

@@ -28,7 +28,7 @@ from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._fork import unforked
 from .._record import Peek, Record, Status
-from ._options import flag, local_options, seconds
+from ._options import flag, local_options, seconds, with_options
 from ._paths import check_existing_file, private_file
 from ._sqlite_fork import Gate, refusal_message, taint, tainted
 from ._sqlite_group import Group
@@ -74,7 +74,8 @@ class SQLiteCacheBackend(CacheBackend):
     survives power loss; `"NORMAL"` survives a crash of the process but may lose the last
     transactions on power loss, and is several times faster.
 
-    The file is created mode 0600 (its folder 0700 if created). A path that is a symlink,
+    The file is created mode 0600; its folder must exist, unless `create_parents=True`
+    (then it is created 0700). A path that is a symlink,
     a folder or file (or -wal, -shm) that another user owns or may write to, is refused
     unless `allow_insecure_path=True`; so is a ledger file deleted or replaced while the
     backend is open. Safe across fork(): see the module docstring.
@@ -89,6 +90,7 @@ class SQLiteCacheBackend(CacheBackend):
         synchronous: str = "FULL",
         busy_timeout_s: float = 5.0,
         allow_insecure_path: bool = False,
+        create_parents: bool = False,
     ) -> None:
         synchronous = synchronous.upper()
         if synchronous not in ("FULL", "NORMAL", "EXTRA", "CLAIMS"):
@@ -109,7 +111,7 @@ class SQLiteCacheBackend(CacheBackend):
         self._group = None if synchronous == "NORMAL" else Group(busy_timeout_s)
         self.busy_timeout_s = busy_timeout_s
         self.allow_insecure_path = allow_insecure_path
-        self.path, st = private_file(Path(path), allow_insecure_path)
+        self.path, st = private_file(Path(path), allow_insecure_path, create_parents=create_parents)
         self._identity = (st.st_dev, st.st_ino)
         self._dev, self._ino = st.st_dev, st.st_ino  # compared apart: no tuple per operation
         self._path_text = str(self.path)  # os.stat of a str skips __fspath__ on every call
@@ -130,17 +132,37 @@ class SQLiteCacheBackend(CacheBackend):
     def __repr__(self) -> str:
         return f"SQLiteCacheBackend({str(self.path)!r}, synchronous={self.synchronous!r})"
 
+    @property
+    def url(self) -> str:
+        """The URL that names this ledger (for messages and the CLI's --ledger)."""
+        options = {"allow_insecure_path": True} if self.allow_insecure_path else {}
+        return with_options(sqlite_url(self.path), options)
+
     # -- URL (SQLAlchemy's convention) ---------------------------------------------------
 
     @classmethod
     def from_url(cls, url: str) -> Self:
         """`sqlite:///relative.db` (relative to the current directory, made absolute now),
-        `sqlite:////abs/ledger.db`, with the options `synchronous`, `busy_timeout_s` and
-        `allow_insecure_path`; anything else is a `LedgerConfigurationError`."""
+        `sqlite:////abs/ledger.db`, with the options `synchronous`, `busy_timeout_s`,
+        `allow_insecure_path` and `create_parents`; anything else is a
+        `LedgerConfigurationError`."""
         options = local_options(url, _URL_OPTIONS, "sqlite")
         path = cls.path_from_url(url)
+        text = unquote(urlsplit(url).path[1:])
+        if not Path(text).is_absolute() and not options.get("create_parents"):
+            absolute = Path("/", text)
+            if not path.parent.is_dir():
+                # Meant as absolute, most likely: say so before anything is made.
+                raise LedgerConfigurationError(
+                    f"{url} names {path} (three slashes: relative to the current directory, "
+                    f"as in SQLAlchemy), whose folder {path.parent} does not exist. For "
+                    f"{absolute} write {sqlite_url(absolute)} (four slashes); to start a "
+                    "ledger here, create the folder first or add ?create_parents=true"
+                )
         try:
             return cls(path, **options)
+        except LedgerConfigurationError as exc:
+            raise LedgerConfigurationError(f"{url}: {exc}") from None
         except ValueError as exc:
             raise LedgerConfigurationError(f"{url!r}: {exc}") from None
 
@@ -254,7 +276,7 @@ class SQLiteCacheBackend(CacheBackend):
 
     def _connect(self, slot: str, synchronous: str) -> sqlite3.Connection:
         if self._closed:
-            raise LedgerUnavailable(f"{self!r} is closed")
+            raise LedgerUnavailable(f"the ledger {self.url} is closed")
         why = tainted(self._identity) or _inherited_without_hook(self._identity)
         if why is not None:
             raise LedgerUnavailable(refusal_message(self.path, why))
@@ -511,6 +533,7 @@ _URL_OPTIONS: dict[str, Callable[[str], Any]] = {
     "synchronous": str,
     "busy_timeout_s": seconds,
     "allow_insecure_path": flag,
+    "create_parents": flag,
 }
 
 

@@ -1,44 +1,67 @@
 """`crewai-idempotent demo` and `crewai-idempotent demo-approvals`: the offline demos the
-integration runs (integration/_demo.py, integration/_demo_approvals.py)."""
+integration runs (integration/_demo.py, integration/_demo_approvals.py).
+
+Each runs on a throwaway ledger, deleted when it ends, unless asked for one: the group's
+`--ledger URL` given on the command line (never CREWAI_IDEMPOTENCY_URL: a demo must not
+write into the ledger a deployment uses because the variable is set), or `--ledger-path`.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
+from typing import Any
 
 import click
 
 from ..integration import URL_ENV
 from ._output import console
+from ._where import Where
+
+_PATH_HELP = (
+    "SQLite file for the demo's ledger, kept after it. Default: a throwaway ledger, deleted "
+    "when the demo ends; `crewai-idempotent --ledger URL {command}` runs it on any ledger "
+    f"(${URL_ENV} is never used)."
+)
+
+
+def _ledger_url(where: Where, ledger_path: str | None) -> str | None:
+    """The ledger URL the user gave with --ledger on this command line, if any."""
+    given = where.url if where.source == "--ledger" else None
+    if given is not None and ledger_path is not None:
+        raise click.UsageError("give the demo's ledger with --ledger or --ledger-path, not both")
+    return given
+
+
+def _run(module: str, where: Where, ledger_path: str | None) -> None:
+    # Deliberately late: the demos import crewai, which takes seconds and may be missing.
+    try:
+        run_demo: Any = importlib.import_module(module).run_demo
+    except ImportError as exc:
+        raise click.ClickException(f"the demo is not available: {exc}") from None
+    url = _ledger_url(where, ledger_path)
+    sys.exit(int(run_demo(ledger_path, ledger_url=url, console=console()) or 0))
 
 
 @click.command("demo")
 @click.option(
     "--ledger-path",
     type=click.Path(dir_okay=False, path_type=str),
-    help="SQLite file for the demo's ledger (default: the embedded SQLite ledger in crewai's "
-    "storage folder). The demo never uses --ledger or $" + URL_ENV + ".",
+    help=_PATH_HELP.format(command="demo"),
 )
-def demo(ledger_path: str | None) -> None:
+@click.pass_obj
+def demo(where: Where, ledger_path: str | None) -> None:
     """Run an offline payment crew whose guardrail and agent retries replay the receipt."""
-    # Deliberately late: the demo imports crewai, which takes seconds and may be missing.
-    try:
-        from ..integration._demo import run_demo
-    except ImportError as exc:
-        raise click.ClickException(f"the demo is not available: {exc}") from None
-    sys.exit(int(run_demo(ledger_path, console=console()) or 0))
+    _run("crewai_idempotent.integration._demo", where, ledger_path)
 
 
 @click.command("demo-approvals")
 @click.option(
     "--ledger-path",
     type=click.Path(dir_okay=False, path_type=str),
-    help="SQLite file for the demo's ledger (default: a fresh temporary one).",
+    help=_PATH_HELP.format(command="demo-approvals"),
 )
-def demo_approvals(ledger_path: str | None) -> None:
+@click.pass_obj
+def demo_approvals(where: Where, ledger_path: str | None) -> None:
     """Run an offline crew whose large payment waits for approval and whose cap refuses one."""
-    # Deliberately late, as for `demo`.
-    try:
-        from ..integration._demo_approvals import run_demo
-    except ImportError as exc:
-        raise click.ClickException(f"the demo is not available: {exc}") from None
-    sys.exit(int(run_demo(ledger_path, console=console()) or 0))
+    _run("crewai_idempotent.integration._demo_approvals", where, ledger_path)

@@ -1,7 +1,9 @@
 """`crewai-idempotent doctor`: what an operator needs to know before trusting the ledger.
 
 Reads, never creates: a ledger that does not exist is reported, not made. `--self-test`
-runs the integration's own checks (integration/_selftest.py) in a fresh interpreter.
+runs the integration's own checks (integration/_selftest.py) in a fresh interpreter,
+showing each check as it finishes, and keeps the verdict for a release newer than the
+newest tested one (integration/_verify.py), as that release's first guarded call would.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -21,13 +24,14 @@ import click
 from _crewai_idempotent_autoload import autoload_enabled
 
 from .. import Status
+from .._backend import url_of
 from ..backends._url import local_path
-from ..integration import default_ledger_path
-from ..integration._compat import ALLOW_UNTESTED_ENV, untested_allowed
+from ..integration import _verify, default_ledger_path
+from ..integration._compat import ALLOW_UNTESTED_ENV, untested_choice
 from ..integration._ledgers import describe_default
-from ..integration._patch import is_supported, supported_range
+from ..integration._patch import is_supported, is_tested, newest_tested, supported_range
 from ..integration._selftest import run_in_subprocess
-from ._output import safe
+from ._output import ago, console, safe, stamp
 from ._where import Where
 
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
@@ -63,9 +67,7 @@ def doctor(where: Where, self_test: bool) -> None:
     a ledger.
     """
     if self_test:
-        lines, problems = self_test_report()
-        for line in lines:
-            click.echo(safe(line))
+        problems = self_test_report()
         if problems:
             click.echo(f"{problems} self-test check(s) failed", err=True)
             sys.exit(1)
@@ -97,8 +99,30 @@ def _ledger_facts(where: Where, out: _Report) -> None:
             )
     else:
         out.fact("source", where.source)
-    for path, required in _local_files(where, out):
+    files = _local_files(where, out)
+    for path, required in files:
         _mode_facts(path, required, out)
+    if files:
+        _filesystem_facts(files[0][0], out)
+
+
+def _filesystem_facts(path: Path, out: _Report) -> None:
+    """A ledger on a read-only filesystem cannot claim anything: say so in those words,
+    for the nearest folder that exists (the ledger's, or the one it would be made in)."""
+    folder = path if path.is_dir() else path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return
+    if info.f_flag & os.ST_RDONLY:
+        out.problem(
+            "filesystem",
+            f"{folder} is on a read-only filesystem: the ledger cannot be written there, so "
+            "no call can be claimed (LedgerUnavailable; nothing runs). Mount it read-write, "
+            "or name a ledger on a writable one",
+        )
 
 
 def _local_files(where: Where, out: _Report) -> list[tuple[Path, bool]]:
@@ -156,7 +180,7 @@ def _open_facts(where: Where, out: _Report) -> None:
         out.problem("reachable", f"no: {type(exc).__name__}: {exc}")
         return
     summary = ", ".join(f"{counts[s]} {s.value.lower()}" for s in Status)
-    out.fact("reachable", f"yes: {ledger.backend!r}; {summary}")
+    out.fact("reachable", f"yes: {url_of(ledger.backend)}; {summary}")
     if counts[Status.UNCERTAIN]:
         out.fact("", "uncertain records wait for a decision: ls --status uncertain")
     _durability_facts(ledger.backend, out)
@@ -217,43 +241,165 @@ def _crewai_facts(out: _Report) -> None:
     except PackageNotFoundError:
         out.fact("crewai", f"not installed (the integration supports {supported_range()})")
         return
-    if is_supported(installed):
-        out.fact("crewai", f"{installed}: supported ({supported_range()})")
-    elif untested_allowed():
+    choice = untested_choice()
+    newer = f"{installed}: newer than the newest tested release ({newest_tested()})"
+    if is_tested(installed):
         out.fact(
             "crewai",
-            f"{installed}: untested (the range is {supported_range()}); {ALLOW_UNTESTED_ENV} "
-            "is set, so the guard runs in full: `doctor --self-test` checks it",
+            f"{installed}: supported and tested ({supported_range()}, every release up to "
+            f"{newest_tested()} tested)",
+        )
+    elif choice is True:
+        out.fact(
+            "crewai",
+            f"{installed}: untested (the range is {supported_range()}, tested up to "
+            f"{newest_tested()}); {ALLOW_UNTESTED_ENV}=1, so the guard runs in full without "
+            "a verdict: `doctor --self-test` checks it",
+        )
+    elif is_supported(installed) and choice is None:
+        out.fact("crewai", f"{newer}; it verifies itself on this machine")
+        _verdict_facts(installed, out)
+    elif is_supported(installed):
+        out.problem(
+            "crewai",
+            f"{newer}; {ALLOW_UNTESTED_ENV}={os.environ.get(ALLOW_UNTESTED_ENV, '').strip()!r} "
+            "turns its self-test off, so tools flagged idempotent refuse to run",
         )
     else:
         out.problem(
             "crewai",
-            f"{installed}: outside the tested range {supported_range()}; tools flagged "
+            f"{installed}: outside the supported range {supported_range()}; tools flagged "
             "idempotent refuse to run. Run `crewai-idempotent doctor --self-test`, and if it "
             f"passes set {ALLOW_UNTESTED_ENV}=1",
         )
 
 
-def self_test_report() -> tuple[list[str], int]:
-    """`doctor --self-test`: the guard's checks run against the installed crewai."""
-    started = time.monotonic()
+def _verdict_facts(installed: str, out: _Report) -> None:
+    """The self-test's verdict on this install of a release newer than the newest tested."""
     try:
-        version, results, errors = run_in_subprocess()
-    except subprocess.TimeoutExpired:
-        return ["self-test: did not finish within 600 s"], 1
-    lines = [f"crewai {version}: {len(results)} checks (path x retry source [executor])"]
-    failed = 0
-    for result in results:
+        subject = _verify.subject(installed)
+        verdict = _verify.read(subject)
+        run = _verify.running(subject) if verdict is None else None
+    except _verify.CacheUnusable as exc:
+        out.problem("self-test", f"no verdict can be kept: {exc}")
+        return
+    where = _verify.verdict_path(subject)
+    if verdict is None and run is not None:
+        since = "" if run.started_at is None else f" since {stamp(run.started_at)}"
+        out.fact(
+            "self-test",
+            f"running{since} (pid {run.pid}); tools flagged idempotent refuse until it passes",
+        )
+    elif verdict is None:
+        out.fact(
+            "self-test",
+            f"not run for this install yet: the first guarded call starts it (about "
+            f"{_verify.usual_seconds():.0f} s), or run `crewai-idempotent doctor --self-test`; "
+            "tools flagged idempotent refuse until it passes",
+        )
+    elif verdict.passed:
+        out.fact(
+            "self-test",
+            f"passed: {verdict.checks} checks in {verdict.seconds:.1f} s, "
+            f"{stamp(verdict.finished_at)} ({ago(time.time() - verdict.finished_at)}), "
+            f"by {verdict.by}: tools flagged idempotent run",
+        )
+    else:
+        out.problem(
+            "self-test",
+            f"failed {len(verdict.failed)} of {verdict.checks} checks "
+            f"({stamp(verdict.finished_at)}, by {verdict.by}): {verdict.failures()}. Tools "
+            "flagged idempotent refuse to run; `doctor --self-test` runs it again",
+        )
+    out.fact("verdict", f"{where} ({subject.describe()})")
+    if verdict is not None or run is not None:
+        out.fact("", f"the self-test's report: {_verify.report_path(subject)}")
+
+
+def self_test_report() -> int:
+    """`doctor --self-test`: the guard's checks run against the installed crewai, each
+    printed as it finishes (with a progress bar on a terminal); the number that failed."""
+    screen = console()
+    if screen.is_terminal:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=screen,
+            transient=True,
+        )
+        with progress:
+            task = progress.add_task("starting (importing crewai)", total=None)
+
+            def say(line: str) -> None:
+                progress.console.print(safe(line), soft_wrap=True)
+
+            def planned(count: int) -> None:
+                progress.update(task, description="checks", total=count)
+
+            def advanced() -> None:
+                progress.advance(task)
+
+            return _self_test(say, planned, advanced)
+    return _self_test(lambda line: click.echo(safe(line)), lambda count: None, lambda: None)
+
+
+def _self_test(
+    say: Callable[[str], None], planned: Callable[[int], None], advanced: Callable[[], None]
+) -> int:
+    started = time.monotonic()
+
+    def on_plan(version: str, labels: list[str]) -> None:
+        say(f"crewai {version}: {len(labels)} checks (path x retry source [executor])")
+        planned(len(labels))
+
+    def on_result(result: dict[str, Any]) -> None:
         verdict = "pass" if result["passed"] else "FAIL"
-        failed += not result["passed"]
-        lines.append(f"  {verdict}  {result['check']}: {result['detail']}")
+        say(f"  {verdict}  {result['check']}: {result['detail']}")
+        advanced()
+
+    try:
+        version, results, errors = run_in_subprocess(on_plan=on_plan, on_result=on_result)
+    except subprocess.TimeoutExpired:
+        say("self-test: did not finish within 600 s")
+        return 1
+    failed = sum(not r["passed"] for r in results)
+    problem = ""
     if not results:
+        problem = f"it did not run: {errors or 'no output'}"
+        say(f"  FAIL  the self-test did not run: {errors or 'no output'}")
         failed += 1
-        lines.append(f"  FAIL  the self-test did not run: {errors or 'no output'}")
     elapsed = time.monotonic() - started
     summary = "passed" if not failed else f"{failed} failed"
-    lines.append(f"self-test {summary} in {elapsed:.1f} s")
-    return lines, failed
+    say(f"self-test {summary} in {elapsed:.1f} s")
+    if version != "unknown" and not is_tested(version):
+        say(_keep(version, results, problem, elapsed))
+    return failed
+
+
+def _keep(version: str, results: list[dict[str, Any]], problem: str, seconds: float) -> str:
+    """The verdict on a release newer than the newest tested, kept where the guard reads it."""
+    try:
+        subject = _verify.subject(version)
+        verdict = _verify.record(subject, results, problem, seconds, "doctor --self-test")
+    except (_verify.CacheUnusable, OSError) as exc:
+        return f"verdict not kept: {exc}"
+    if verdict.passed and is_supported(version) and untested_choice() is None:
+        effect = "tools flagged idempotent run on this install"
+    elif verdict.passed:
+        effect = f"set {ALLOW_UNTESTED_ENV}=1 to run the guard on this release"
+    else:
+        effect = "tools flagged idempotent refuse to run on this install"
+    return f"verdict kept in {verdict.path}: {effect}"
 
 
 def _activation_facts(out: _Report) -> None:

@@ -13,6 +13,7 @@ import click
 from .. import ApprovalRequest, Approvals, SpendLedger
 from .._approvals import ApprovalAlreadyDecided, ApprovalNotFound
 from .._record import _whoami
+from .._spend import exponent, format_money
 from ._output import duration, ledger_errors, safe, stamp
 from ._where import Where
 
@@ -142,14 +143,18 @@ def _decide(
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_obj
 def spend(where: Where, as_json: bool) -> None:
-    """Budgets per spend cap window: limit, committed, reserved, available (minor units)."""
+    """Budgets per spend cap window: limit, committed, reserved, available.
+
+    Amounts are shown in the currency's major units (1,200.00 EUR); `--json` gives them in
+    minor units, as the caps are set, with the currency's exponent beside them."""
     with ledger_errors(where.scrub):
         budgets = SpendLedger(where.ledger().backend).budgets()
     if as_json:
         rows = [
             {
                 "cap": b.cap, "scope": b.scope, "per": b.per, "window": b.window,
-                "currency": b.currency, "limit": b.limit, "committed": b.committed,
+                "currency": b.currency, "exponent": exponent(b.currency),
+                "limit": b.limit, "committed": b.committed,
                 "reserved": b.reserved, "available": b.available,
                 "reservations": b.reservations,
             }
@@ -161,10 +166,15 @@ def spend(where: Where, as_json: bool) -> None:
         click.echo(f"no spend caps have been used in {where.label}")
         return
     for b in budgets:
+
+        def money(minor: int, currency: str = b.currency) -> str:
+            return format_money(minor, currency)
+
         click.echo(
             safe(
-                f"{b.scope}/{b.cap}  window {b.window}  limit {b.limit} {b.currency}  "
-                f"committed {b.committed}  reserved {b.reserved}  available {b.available}"
+                f"{b.scope}/{b.cap}  window {b.window}  limit {money(b.limit)}  "
+                f"committed {money(b.committed)}  reserved {money(b.reserved)}  "
+                f"available {money(b.available)}"
             )
         )
 

@@ -10,7 +10,10 @@ from typing import Any
 import click
 
 from .. import Ledger, Record, Status
+from .._approvals import KIND as APPROVALS
+from .._gatestore import PREFIX, is_document
 from .._results import describe, unrestorable
+from .._spend import KIND as SPEND
 from ._output import (
     ago,
     check_key,
@@ -340,14 +343,42 @@ def _kept_result(record: Record) -> Any:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation (with --all).")
 @click.pass_obj
 def purge(where: Where, everything: bool, yes: bool) -> None:
-    """Delete COMMITTED records whose TTL has passed (never PENDING or UNCERTAIN ones)."""
+    """Delete COMMITTED records whose TTL has passed (never PENDING or UNCERTAIN ones).
+
+    With --all, every COMMITTED and FAILED record goes, and with them the approval
+    requests and spend-cap budgets the ledger keeps as records: the confirmation counts
+    each."""
     if everything and not yes:
-        click.confirm(
-            "--all deletes every COMMITTED and FAILED record: their receipts are lost and a "
-            "retry of any of those operations runs it again. Continue?",
-            abort=True,
-            err=True,
-        )
+        with ledger_errors(where.scrub):
+            counts = _purgeable(where.ledger().records())
+        click.confirm(_purge_warning(where, counts), abort=True, err=True)
     with ledger_errors(where.scrub):
         removed = where.ledger().purge(expired_only=not everything)
     click.echo(f"purged {removed} record(s) from {where.label}")
+
+
+def _purgeable(records: list[Record]) -> dict[str, int]:
+    """What `purge --all` would delete, by kind: receipts and failures, approval
+    requests, spend-cap windows."""
+    counts = {"receipts": 0, "approvals": 0, "spend": 0}
+    for record in records:
+        if record.status not in (Status.COMMITTED, Status.FAILED):
+            continue
+        if not is_document(record):
+            counts["receipts"] += 1
+        elif record.key.startswith(PREFIX + APPROVALS):
+            counts["approvals"] += 1
+        elif record.key.startswith(PREFIX + SPEND):
+            counts["spend"] += 1
+    return counts
+
+
+def _purge_warning(where: Where, counts: dict[str, int]) -> str:
+    return (
+        f"--all deletes, from {where.label}: {counts['receipts']} COMMITTED and FAILED "
+        "record(s), whose receipts are lost (a retry of any of those operations runs it "
+        f"again); {counts['approvals']} approval request(s) with their decisions (approved "
+        "calls ask again); and "
+        f"{counts['spend']} spend-cap budget(s), with the spend counted so far (the caps "
+        "start again from zero). Continue?"
+    )

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_attributes
-from ._compat import UnsupportedCrewAIVersion
+from ._compat import UnsupportedCrewAIVersion, UnverifiedCrewAIVersion
 from ._patch import install, is_installed, uninstall
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ __all__ = [
     "IdempotencyConfig",
     "KeyContext",
     "UnsupportedCrewAIVersion",
+    "UnverifiedCrewAIVersion",
     "configure",
     "default_ledger_path",
     "idempotent",

@@ -422,16 +422,41 @@ def init_subclass_of(base: type, hook: Callable[[type], None]) -> classmethod[An
 # -- releases outside the tested range -------------------------------------------------
 
 ALLOW_UNTESTED_ENV = "CREWAI_IDEMPOTENT_ALLOW_UNTESTED"
+_YES = ("1", "true", "yes", "on")
+_NO = ("0", "false", "no", "off")
+
+
+def untested_choice() -> bool | None:
+    """What CREWAI_IDEMPOTENT_ALLOW_UNTESTED says: True (run the full guard on an untested
+    release), False (refuse it, and never verify one), None (unset: a release inside the
+    supported minor verifies itself). A value that is neither is False: fail closed."""
+    value = os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower()
+    if not value:
+        return None
+    return value in _YES
 
 
 def untested_allowed() -> bool:
-    return os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return untested_choice() is True
 
 
 class UnsupportedCrewAIVersion(IdempotencyError, RuntimeError):
     """The installed crewai is outside the range this integration was tested with: a tool
     flagged idempotent refuses to run (nothing was run) rather than run half guarded.
     (A RuntimeError too, as it was before it became an IdempotencyError.)"""
+
+
+class UnverifiedCrewAIVersion(UnsupportedCrewAIVersion):
+    """The installed crewai is newer than the newest release tested, inside the supported
+    minor, and its self-test has not passed on this machine (yet): nothing was run.
+
+    `state` is "running" (the self-test runs now: try again once it is done), "failed"
+    (it failed; `crewai-idempotent doctor` shows which checks), or "unavailable" (it
+    cannot run here: the message says why)."""
+
+    def __init__(self, message: str, state: str) -> None:
+        super().__init__(message)
+        self.state = state
 
 
 def untested_message(version: str, supported: str) -> str:
@@ -444,7 +469,41 @@ def untested_message(version: str, supported: str) -> str:
     )
 
 
+def unverified_off_message(version: str, newest: str) -> str:
+    value = os.environ.get(ALLOW_UNTESTED_ENV, "")
+    return (
+        f"crewai {version} is newer than the newest release crewai-idempotent is tested with "
+        f"({newest}), and {ALLOW_UNTESTED_ENV}={value.strip()!r} turns off its self-test, so "
+        "tools flagged idempotent refuse to run (nothing was run); other tools and crews run "
+        f"as usual. Unset {ALLOW_UNTESTED_ENV} to let the release verify itself, or set it "
+        "to 1 to run the full guard without a verdict."
+    )
+
+
+class Verification:
+    """What a guarded call asks while the release has no passing verdict: the first call
+    loads `_verify` (not `import crewai`), whose gate raises until the verdict passes."""
+
+    def __init__(self, version: str, newest: str) -> None:
+        self.version = version
+        self.newest = newest
+        self._gate: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        gate = self._gate
+        if gate is None:
+            from ._verify import Gate
+
+            gate = self._gate = Gate(self.version, self.newest, done=self._passed)
+        gate()
+
+    def _passed(self) -> None:
+        if _pending is self:
+            set_pending(None)
+
+
 _refusal: str | None = None
+_pending: Verification | None = None
 
 
 def set_refusal(message: str | None) -> None:
@@ -452,7 +511,20 @@ def set_refusal(message: str | None) -> None:
     _refusal = message
 
 
+def set_pending(verification: Verification | None) -> None:
+    global _pending
+    _pending = verification
+
+
+def pending() -> Verification | None:
+    return _pending
+
+
 def refuse_if_untested() -> None:
-    """Raise before a guarded body could run when the guard is not installed in full."""
+    """Raise before a guarded body could run when the guard is not installed in full, or
+    the release it is installed on has not been verified yet."""
     if _refusal is not None:
         raise UnsupportedCrewAIVersion(_refusal)
+    verification = _pending
+    if verification is not None:
+        verification()

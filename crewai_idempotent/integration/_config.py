@@ -19,6 +19,7 @@ reused by every later call until one of them, or the environment it read, change
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import threading
@@ -33,7 +34,16 @@ from .._ledger import Ledger
 from .._policy import StalePolicy, _Options, check_seconds
 from .._spend import SpendCap
 from ._gates import GateRules, gate_rules
-from ._ledgers import URL_ENV, announce, backend_from, default_backend, env_backend, ledger_for
+from ._ledgers import (
+    URL_ENV,
+    announce,
+    backend_from,
+    check_reachable,
+    default_backend,
+    env_backend,
+    ledger_for,
+    reachability_checked,
+)
 
 if TYPE_CHECKING:
     from .._reconcile import Verdict
@@ -160,6 +170,10 @@ class IdempotencyConfig:
       "report" hands it to the agent as a tool error instead.
     - `idempotency_key`: the key template (or callable) for tools that set none.
     - `wait_s`, `lease_s`, `ttl`, `on_stale`: as on the tool and on `Ledger`.
+    - `check_reachable`: whether a PostgreSQL or Redis `backend` must answer here, within
+      its connect timeout (`LedgerUnavailable` if not). None: yes, unless
+      CREWAI_IDEMPOTENCY_CHECK_REACHABLE=0; False for a process that starts before its
+      server (the first guarded call reports an unreachable one then).
     """
 
     backend: CacheBackend | str | None = None
@@ -175,6 +189,7 @@ class IdempotencyConfig:
     caps: Any = None
     on_approval: Literal["raise", "report"] | None = None
     approval_wait_s: float | None = None
+    check_reachable: bool | None = None
 
     def __post_init__(self) -> None:
         _check_crew_gates(self)
@@ -183,8 +198,13 @@ class IdempotencyConfig:
                 "backend must be a crewai_idempotent CacheBackend or a ledger URL string, "
                 f"not {type(self.backend).__name__}"
             )
-        if isinstance(self.backend, str):
-            backend_from(self.backend)  # refused here, not at the first tool call
+        if self.check_reachable is not None and not isinstance(self.check_reachable, bool):
+            raise TypeError(f"check_reachable must be True or False, not {self.check_reachable!r}")
+        if self.backend is not None:
+            # A URL is opened here, not at the first tool call; a server must answer now.
+            backend = backend_from(self.backend)
+            if reachability_checked(self.check_reachable):
+                check_reachable(backend)
         if self.on_uncertain is not None and self.on_uncertain not in _ON_UNCERTAIN:
             raise ValueError(f"on_uncertain must be 'raise' or 'report', not {self.on_uncertain!r}")
         _check_key_spec("idempotency_key", self.idempotency_key)
@@ -290,11 +310,36 @@ def configure(
         raise TypeError("pass an IdempotencyConfig or keyword settings, not both")
     if config is not None and not isinstance(config, IdempotencyConfig):
         raise TypeError(f"configure() takes an IdempotencyConfig, not {type(config).__name__}")
-    new = config if config is not None else (IdempotencyConfig(**settings) if settings else None)
+    new = config if config is not None else (config_from("configure()", settings) or None)
     with _lock:
         previous, _process_config = _process_config, new
         forget_settings()
     return previous
+
+
+SETTING_NAMES = tuple(f.name for f in fields(IdempotencyConfig))
+
+
+def config_from(where: str, settings: Mapping[Any, Any]) -> IdempotencyConfig | None:
+    """An IdempotencyConfig from keyword settings (`configure(...)`, `Crew(idempotency={...})`);
+    a name that is not a setting is a `LedgerConfigurationError` naming the closest one,
+    never Python's bare "unexpected keyword argument"."""
+    if not settings:
+        return None
+    for name in settings:
+        if not isinstance(name, str):
+            raise TypeError(f"{where}: setting names are strings, not {name!r}")
+    unknown = [name for name in settings if name not in SETTING_NAMES]
+    if unknown:
+        described = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, SETTING_NAMES, n=1)
+            described.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise LedgerConfigurationError(
+            f"{where}: unknown setting {', '.join(described)}; the settings are "
+            f"{', '.join(SETTING_NAMES)}"
+        )
+    return IdempotencyConfig(**settings)
 
 
 def process_config() -> IdempotencyConfig | None:
@@ -315,7 +360,9 @@ def check_crew_ledger(crew: IdempotencyConfig | None) -> None:
     for config in (crew, _process_config):
         if config is not None and config.backend is not None:
             return
-    env_backend()
+    backend = env_backend()
+    if backend is not None and reachability_checked(None):
+        check_reachable(backend, URL_ENV)
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,11 +509,13 @@ def merge_crew_settings(
         return None
     if idempotency is not None and not isinstance(idempotency, IdempotencyConfig):
         if isinstance(idempotency, Mapping):
-            idempotency = IdempotencyConfig(**idempotency)
+            # Documented: the settings as a dict (from YAML or JSON), checked by name as
+            # configure()'s keywords are.
+            idempotency = config_from(f"{where}(idempotency={{...}})", idempotency)
         else:
             raise TypeError(
-                f"{where}(idempotency=...) takes a crewai_idempotent.IdempotencyConfig, "
-                f"not {type(idempotency).__name__}"
+                f"{where}(idempotency=...) takes a crewai_idempotent.IdempotencyConfig or "
+                f"a dict of its settings, not {type(idempotency).__name__}"
             )
     if cache_backend is None:
         return idempotency

@@ -4,8 +4,10 @@ Offline: the model is scripted and the payment provider is fake. The crew's task
 for one charge; crewai re-runs the task after its guardrail rejects the first answer and
 re-runs the agent after a model error, and each time the model calls the charge tool
 again. The tool is `idempotent=True`, so the first call charges and the others replay
-its receipt from the ledger: the embedded SQLite default in crewai's storage folder, or
-the SQLite file given (configure() and CREWAI_IDEMPOTENCY_URL are not consulted).
+its receipt from the ledger: a throwaway SQLite file in a temporary folder, deleted when
+the demo ends, or the ledger given (a URL, or a SQLite file); configure(),
+CREWAI_IDEMPOTENCY_URL and the embedded default are never used, so the demo writes
+nothing into a real ledger unless asked to.
 
 Run it with `crewai-idempotent demo` or `python -m crewai_idempotent.demo [LEDGER_PATH]`.
 crewai is imported once the offline environment is set, so this module imports it late.
@@ -14,17 +16,24 @@ crewai is imported once the offline environment is set, so this module imports i
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 from typing import Any
 
 from rich.markup import escape
 
-from .._errors import LedgerUnavailable
-from ..backends.sqlite import SQLiteCacheBackend
-from . import IdempotencyConfig, default_ledger_path, install
-from ._scripted import current_attempt, go_offline, narrator, say, scripted_model, tool_call
+from .._errors import LedgerConfigurationError, LedgerUnavailable
+from .._spend import format_money
+from . import IdempotencyConfig, install
+from ._scripted import (
+    current_attempt,
+    demo_ledger,
+    go_offline,
+    narrator,
+    say,
+    scripted_model,
+    tool_call,
+)
 
 _MODEL_FAILURE = "503: upstream model overloaded (scripted)"
 
@@ -46,21 +55,25 @@ class FakePaymentProvider:
             return receipt
 
 
-def run_demo(ledger_path: str | None = None, *, console: Any = None) -> int:
+def run_demo(
+    ledger_path: str | None = None, *, ledger_url: str | None = None, console: Any = None
+) -> int:
     """Run the demo; 0 when the provider saw exactly one charge, else 1."""
     go_offline()
     out = narrator(console)
     try:
-        return _Demo(out, ledger_path).run()
-    except LedgerUnavailable as exc:
+        with demo_ledger(ledger_path, ledger_url, "demo") as (backend, described):
+            return _Demo(out, backend, described).run()
+    except (LedgerUnavailable, LedgerConfigurationError) as exc:
         say(out, f"[red]cannot use that ledger:[/] {escape(str(exc))}")
         return 1
 
 
 class _Demo:
-    def __init__(self, console: Any, ledger_path: str | None) -> None:
+    def __init__(self, console: Any, backend: Any, described: str) -> None:
         self.console = console
-        self.ledger_path = ledger_path
+        self.backend = backend
+        self.described = described
         self.provider = FakePaymentProvider()
         self.invoice = f"INV-{secrets.token_hex(3).upper()}"
         self.customer = "cus_ada"
@@ -68,7 +81,6 @@ class _Demo:
         self.decisions: list[str] = []  # "executed" / "replayed", from the event bus
         self.attempt = 0
         self.tool_calls = 0
-        self.backend: Any = None
 
     # -- what the crew is made of ------------------------------------------------------
 
@@ -99,7 +111,7 @@ class _Demo:
         )
         task = Task(
             description=(
-                f"Charge {self.customer} {self.amount_cents / 100:.2f} EUR for invoice "
+                f"Charge {self.customer} {format_money(self.amount_cents, 'EUR')} for invoice "
                 f"{self.invoice}, then report the receipt."
             ),
             expected_output="A sentence naming the invoice, the amount and the receipt id.",
@@ -108,7 +120,6 @@ class _Demo:
             guardrail_max_retries=2,
         )
         # The demo's own ledger, whatever configure() or CREWAI_IDEMPOTENCY_URL say.
-        self.backend = SQLiteCacheBackend(self.ledger_file())
         config = IdempotencyConfig(backend=self.backend)
         return Crew(agents=[agent], tasks=[task], verbose=False, idempotency=config)  # type: ignore[call-arg]
 
@@ -128,30 +139,17 @@ class _Demo:
     def say(self, text: str) -> None:
         say(self.console, text)
 
-    def ledger_file(self) -> str:
-        if self.ledger_path:
-            return os.path.abspath(self.ledger_path)
-        return str(default_ledger_path())
-
-    def ledger_description(self) -> str:
-        if self.ledger_path:
-            return f"{self.ledger_file()} (given)"
-        return f"{self.ledger_file()} (the embedded SQLite default, in crewai's storage folder)"
-
     def run(self) -> int:
         self.say(
             "[bold]crewai-idempotent demo[/]: one invoice, a guardrail retry and an agent retry"
         )
         crew = self.build()
-        try:
-            self.say(f"ledger: {escape(self.ledger_description())}")
-            self.say(
-                f"task: charge {self.customer} {self.amount_cents / 100:.2f} EUR "
-                f"for {self.invoice}\n"
-            )
-            answer = self.kickoff(crew)
-        finally:
-            self.backend.close()
+        self.say(f"ledger: {escape(self.described)}")
+        self.say(
+            f"task: charge {self.customer} {format_money(self.amount_cents, 'EUR')} "
+            f"for {self.invoice}\n"
+        )
+        answer = self.kickoff(crew)
         charges = len(self.provider.charges)
         colour = "green" if charges == 1 else "red"
         self.say(f"\nfinal answer: {escape(answer)}")
@@ -216,7 +214,7 @@ class _Demo:
             self.say("  [yellow]-> crewai retries the agent (max_retry_limit)[/]")
             raise RuntimeError(_MODEL_FAILURE)
         return (
-            f"Invoice {self.invoice}: charged {self.amount_cents / 100:.2f} EUR to "
+            f"Invoice {self.invoice}: charged {format_money(self.amount_cents, 'EUR')} to "
             f"{self.customer}, receipt {receipt}."
         )
 

@@ -4,7 +4,8 @@ A scripted model pays invoices through a `pay_invoice` tool that needs a person'
 above 500.00 EUR and may spend at most 1,200.00 EUR per kickoff. The first kickoff pays
 two small invoices and stops on the large one; an operator approves it; the second kickoff
 replays the small ones, pays the large one once, and the cap refuses a fourth. The ledger
-is a fresh SQLite file (or the one given); the provider is fake.
+is a throwaway SQLite file in a temporary folder, deleted when the demo ends (or the
+ledger given: a URL, or a SQLite file); the provider is fake.
 
 Run it with `crewai-idempotent demo-approvals` or `python -m crewai_idempotent.demo_approvals`.
 crewai is imported once the offline environment is set, so this module imports it late.
@@ -14,19 +15,17 @@ from __future__ import annotations
 
 import json
 import secrets
-import tempfile
 import threading
-from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
 
 from .._approvals import Approvals
-from .._errors import ApprovalRequired
-from .._spend import Money, SpendCap, SpendLedger
-from ..backends._url import backend_from_url
+from .._backend import ledger_option
+from .._errors import ApprovalRequired, LedgerConfigurationError, LedgerUnavailable, command
+from .._spend import Money, SpendCap, SpendLedger, format_money
 from . import install
-from ._scripted import Reply, go_offline, narrator, say, scripted_model, tool_call
+from ._scripted import Reply, demo_ledger, go_offline, narrator, say, scripted_model, tool_call
 
 THRESHOLD_CENTS = 500_00
 CAP = 1_200_00
@@ -46,21 +45,26 @@ class FakeBank:
             return receipt
 
 
-def run_demo(ledger_path: str | None = None, *, console: Any = None) -> int:
+def run_demo(
+    ledger_path: str | None = None, *, ledger_url: str | None = None, console: Any = None
+) -> int:
     """Run the demo; 0 when the bank saw exactly the three expected payments."""
     go_offline()
     out = narrator(console)
-    folder = None
-    if ledger_path is None:
-        folder = tempfile.mkdtemp(prefix="crewai-idempotent-approvals-")
-        ledger_path = str(Path(folder) / "ledger.db")
-    return _Demo(out, ledger_path).run()
+    try:
+        with demo_ledger(ledger_path, ledger_url, "demo-approvals") as (backend, described):
+            return _Demo(out, backend, described).run()
+    except (LedgerUnavailable, LedgerConfigurationError) as exc:
+        say(out, f"[red]cannot use that ledger:[/] {escape(str(exc))}")
+        return 1
 
 
 class _Demo:
-    def __init__(self, console: Any, ledger_path: str) -> None:
+    def __init__(self, console: Any, backend: Any, described: str) -> None:
         self.console = console
-        self.url = f"sqlite:///{Path(ledger_path).resolve()}"
+        self.backend = backend
+        self.described = described
+        self.ledger = ledger_option(backend)  # what the operator's commands add: --ledger
         self.bank = FakeBank()
         tag = secrets.token_hex(2).upper()
         self.small = [(f"INV-{tag}-1", 120_00), (f"INV-{tag}-2", 80_00)]
@@ -103,7 +107,7 @@ class _Demo:
             agent=agent,
         )
         return Crew(  # type: ignore[call-arg]  # cache_backend is the integration's
-            agents=[agent], tasks=[task], verbose=False, cache_backend=self.url
+            agents=[agent], tasks=[task], verbose=False, cache_backend=self.backend
         )
 
     def reply_paying(self, invoices: list[tuple[str, int]]) -> Reply:
@@ -116,8 +120,8 @@ class _Demo:
                 for m in messages
                 if isinstance(m, dict) and m.get("role") == "tool"
             ]
-            if results:
-                self.say(f"  tool result: {escape(results[-1].strip()[:160])}")
+            if results:  # whole: a refusal says why at its end
+                self.say(f"  tool result: {escape(results[-1].strip())}")
             if len(results) < len(invoices):
                 invoice, cents = invoices[len(results)]
                 arguments = {"invoice": invoice, "amount_cents": cents}
@@ -127,8 +131,10 @@ class _Demo:
         return reply
 
     def run(self) -> int:
-        euros = lambda cents: f"{cents / 100:,.2f} EUR"  # noqa: E731
-        self.say(f"[bold]Ledger:[/] {escape(self.url)}")
+        def euros(cents: int) -> str:
+            return format_money(cents, "EUR")
+
+        self.say(f"[bold]Ledger:[/] {escape(self.described)}")
         self.say(
             f"pay_invoice needs approval above {euros(THRESHOLD_CENTS)}; "
             f"at most {euros(CAP)} per kickoff\n"
@@ -145,29 +151,26 @@ class _Demo:
             return 1
         self.say(f"  the bank has made {len(self.bank.payments)} payments")
 
-        backend = backend_from_url(self.url)
-        try:
-            approvals = Approvals(backend)
-            (pending,) = approvals.list("pending")
+        approvals = Approvals(self.backend)
+        (pending,) = approvals.list("pending")
+        listing = command(self.ledger, "approvals", "ls")
+        self.say(
+            f"[bold]Operator[/]: {escape(listing)}\n  "
+            f"{pending.id} {pending.tool} {escape(json.dumps(pending.summary))}"
+        )
+        approvals.approve(rid, by="demo-operator", reason="invoice checked with supplier")
+        approve = command(
+            self.ledger, "approvals", "approve", rid, "--reason", "'invoice checked with supplier'"
+        )
+        self.say(f"[bold]Operator[/]: {escape(approve)}\n")
+        second = [*self.small, self.large, self.fourth]
+        self.say("[bold]Kickoff 2[/]: " + ", ".join(f"{i} {euros(c)}" for i, c in second))
+        self.crew(second).kickoff()
+        for budget in SpendLedger(self.backend).budgets():
             self.say(
-                f"[bold]Operator[/]: crewai-idempotent --ledger ... approvals ls\n  "
-                f"{pending.id} {pending.tool} {escape(json.dumps(pending.summary))}"
+                f"  budget {budget.cap} {escape(budget.window)}: {euros(budget.committed)} "
+                f"of {euros(budget.limit)} spent"
             )
-            approvals.approve(rid, by="demo-operator", reason="invoice checked with supplier")
-            self.say(
-                f"[bold]Operator[/]: crewai-idempotent approvals approve {rid} "
-                "--reason 'invoice checked with supplier'\n"
-            )
-            second = [*self.small, self.large, self.fourth]
-            self.say("[bold]Kickoff 2[/]: " + ", ".join(f"{i} {euros(c)}" for i, c in second))
-            self.crew(second).kickoff()
-            for budget in SpendLedger(backend).budgets():
-                self.say(
-                    f"  budget {budget.cap} {escape(budget.window)}: {euros(budget.committed)} "
-                    f"of {euros(budget.limit)} spent"
-                )
-        finally:
-            backend.close()
 
         paid = [p["invoice"] for p in self.bank.payments]
         expected = [i for i, _ in self.small] + [self.large[0]]

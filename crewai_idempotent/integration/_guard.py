@@ -27,7 +27,7 @@ from crewai.events.event_bus import crewai_event_bus
 from crewai.utilities.crew.crew_context import get_crew_context
 
 from .. import _otel
-from .._backend import CacheBackend
+from .._backend import CacheBackend, ledger_option
 from .._errors import (
     IdempotencyKeyConflict,
     LedgerConfigurationError,
@@ -304,7 +304,10 @@ def _unsucceeded(call: Guarded, exc: Exception) -> Any:
     if exc is call.raised:  # the body's own exception, recorded as `call.settled` says
         settled = call.settled
         if settled is not None and settled.status is Status.UNCERTAIN:
-            uncertain = OutcomeUncertain(call.key, settled.record, settled.reason or "")
+            ledger = ledger_option(call.settings.ledger.backend)
+            uncertain = OutcomeUncertain(
+                call.key, settled.record, settled.reason or "", ledger=ledger
+            )
             uncertain.__cause__ = exc
             call.observation.finish("uncertain", settled.record, uncertain)
             raise _uncertain(call, uncertain) from exc

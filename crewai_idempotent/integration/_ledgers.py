@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 
-from .._backend import CacheBackend
+from .._backend import CacheBackend, mark_default, url_of
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._ledger import Ledger
 from ..backends._options import redact
@@ -22,6 +23,7 @@ from ._compat import db_storage_path
 log = logging.getLogger("crewai_idempotent")
 
 URL_ENV = "CREWAI_IDEMPOTENCY_URL"
+CHECK_REACHABLE_ENV = "CREWAI_IDEMPOTENCY_CHECK_REACHABLE"
 DEFAULT_LEDGER_NAME = "crewai_idempotent.db"
 _LEDGER_ATTR = "_crewai_idempotent_ledger"
 
@@ -70,7 +72,9 @@ def default_backend() -> CacheBackend:
     with _lock:
         backend = default_backends.get(path)
         if backend is None:
-            backend = default_backends[path] = SQLiteCacheBackend(path)
+            # crewai's storage folder: ours to make, unlike a folder named by hand.
+            backend = default_backends[path] = SQLiteCacheBackend(path, create_parents=True)
+            mark_default(backend)  # the CLI finds it by itself: no --ledger in hints
         return backend
 
 
@@ -85,6 +89,44 @@ def env_backend() -> CacheBackend | None:
         return backend_from(url)
     except (LedgerConfigurationError, LedgerUnavailable, ValueError, TypeError) as exc:
         raise LedgerConfigurationError(f"{URL_ENV}={redact(url)!r}: {exc}") from exc
+
+
+# The server ledgers that answered a reachability check in this process.
+_reached: weakref.WeakSet[CacheBackend] = weakref.WeakSet()
+
+
+def reachability_checked(asked: bool | None) -> bool:
+    """Whether a server ledger must answer where it is configured: `asked` if given (the
+    `check_reachable` setting), else CREWAI_IDEMPOTENCY_CHECK_REACHABLE (default: yes)."""
+    if asked is not None:
+        return asked
+    value = os.environ.get(CHECK_REACHABLE_ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise LedgerConfigurationError(
+        f"{CHECK_REACHABLE_ENV}={value!r}: expected 1/0, true/false, yes/no or on/off"
+    )
+
+
+def check_reachable(backend: CacheBackend, where: str = "") -> None:
+    """A PostgreSQL or Redis ledger answers now, within its connect timeout, or this
+    raises `LedgerUnavailable` (prefixed by `where` it was configured, if given); once
+    per backend."""
+    probe = getattr(backend, "check_reachable", None)
+    if probe is None or backend in _reached:
+        return
+    try:
+        probe()
+    except LedgerUnavailable as exc:
+        raise LedgerUnavailable(
+            f"{where + ': ' if where else ''}the ledger {url_of(backend)} is not reachable: "
+            f"{str(exc).rstrip('.?! ')} (a server ledger is checked where it is configured; "
+            "for a process that starts before its server, pass check_reachable=False or set "
+            f"{CHECK_REACHABLE_ENV}=0, and the first guarded call reports it)"
+        ) from exc
+    _reached.add(backend)
 
 
 def describe_default() -> str:
@@ -103,5 +145,5 @@ def announce(source: str, backend: CacheBackend) -> None:
         if mark in announced:
             return
         announced.add(mark)
-    where = describe_default() if source == "default" else f"{backend!r} (from {source})"
+    where = describe_default() if source == "default" else f"{url_of(backend)} (from {source})"
     log.info("crewai-idempotent: guarded tool calls use the ledger %s", where)

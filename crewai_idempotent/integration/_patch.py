@@ -22,8 +22,11 @@ from _crewai_idempotent_autoload import remove_import_hook, when_imported
 from . import _call, _compat, _tools
 from ._compat import UnsupportedCrewAIVersion
 
-# The releases the matrix in noxfile.py runs (docs/compatibility.md): crewai >=1.10.0, <1.16.
+# The supported minor releases (docs/compatibility.md): crewai >=1.10.0, <1.16. The matrix in
+# noxfile.py runs every release up to NEWEST_TESTED; a newer one inside the range verifies
+# itself on first use (_verify), and one outside it is refused.
 SUPPORTED = ((1, 10, 0), (1, 16, 0))
+NEWEST_TESTED = (1, 15, 30)
 _ABSENT: Any = object()
 
 log = logging.getLogger("crewai_idempotent")
@@ -50,6 +53,16 @@ def is_supported(version: str) -> bool:
     return parsed is not None and low <= parsed < high
 
 
+def is_tested(version: str) -> bool:
+    """Whether `version` is one the matrix ran (a release up to NEWEST_TESTED)."""
+    parsed = _version_tuple(version)
+    return parsed is not None and SUPPORTED[0] <= parsed <= NEWEST_TESTED
+
+
+def newest_tested() -> str:
+    return ".".join(map(str, NEWEST_TESTED))
+
+
 def check_version(version: str) -> None:
     """Raise UnsupportedCrewAIVersion unless `version` is in the tested range."""
     if not is_supported(version):
@@ -68,10 +81,12 @@ def is_installed() -> bool:
 def install() -> None:
     """Patch crewai so that tools flagged idempotent are guarded. Safe to call twice.
 
-    On a crewai outside the tested range it never raises (it runs inside `import crewai`):
-    it warns once and installs only what makes flagged tools refuse to run, unless
-    CREWAI_IDEMPOTENT_ALLOW_UNTESTED is set (then the full guard, after the user ran
-    `crewai-idempotent doctor --self-test`).
+    On a crewai outside the supported range it never raises (it runs inside `import
+    crewai`): it warns once and installs only what makes flagged tools refuse to run,
+    unless CREWAI_IDEMPOTENT_ALLOW_UNTESTED=1 (then the full guard, after the user ran
+    `crewai-idempotent doctor --self-test`). A release inside the range but newer than the
+    newest tested one gets the full guard, and flagged tools wait for its self-test's
+    verdict (`_verify`), unless that variable forces the question either way.
     """
     global _installed
     with _lock:
@@ -90,13 +105,16 @@ def install() -> None:
             )
             return
         version = str(getattr(crewai, "__version__", "unknown"))
-        if is_supported(version):
+        _compat.set_pending(None)
+        if is_tested(version):
             _compat.set_refusal(None)
             try:
                 _install()
             except BaseException:
                 _undo()
                 raise
+        elif is_supported(version) and _compat.untested_choice() is None:
+            _install_unverified(version)
         else:
             _install_untested(version)
         _installed = True
@@ -108,6 +126,25 @@ def _warn_once(key: str, message: str) -> None:
         return
     _warned.add(key)
     warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _install_unverified(version: str) -> None:
+    """A release newer than the newest tested, inside the supported minor: the full guard,
+    and every flagged tool refuses until the release's self-test has passed on this
+    machine (`_verify.Gate`, loaded with the first guarded call)."""
+    # The gate first: a guarded call in another thread never meets the guard without it.
+    _compat.set_pending(_compat.Verification(version, newest_tested()))
+    _compat.set_refusal(None)
+    try:
+        _install()
+    except Exception as exc:  # noqa: BLE001 - never break `import crewai`
+        _undo()
+        log.warning("crewai-idempotent could not install on crewai %s: %r", version, exc)
+        message = _compat.untested_message(version, supported_range())
+        _warn_once(version, message)
+        _compat.set_refusal(message)
+        _compat.set_pending(None)
+        _install_fail_closed()
 
 
 def _install_untested(version: str) -> None:
@@ -125,8 +162,13 @@ def _install_untested(version: str) -> None:
         except Exception as exc:  # noqa: BLE001 - never break `import crewai`
             _undo()
             log.warning("crewai-idempotent could not install on crewai %s: %r", version, exc)
-    _warn_once(version, _compat.untested_message(version, supported_range()))
-    _compat.set_refusal(_compat.untested_message(version, supported_range()))
+    if is_supported(version) and not _compat.untested_allowed():
+        # CREWAI_IDEMPOTENT_ALLOW_UNTESTED=0: no self-verification.
+        message = _compat.unverified_off_message(version, newest_tested())
+    else:
+        message = _compat.untested_message(version, supported_range())
+    _warn_once(version, message)
+    _compat.set_refusal(message)
     _install_fail_closed()
 
 

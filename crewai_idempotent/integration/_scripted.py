@@ -10,13 +10,16 @@ launcher without paying for crewai.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
+import tempfile
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 # A reply gets the conversation (a list of messages) and the tools offered, and returns
@@ -111,8 +114,42 @@ def say(console: Any, text: str) -> None:
     console.print(text, markup=True, highlight=False, soft_wrap=True)
 
 
+@contextlib.contextmanager
+def demo_ledger(
+    ledger_path: str | None, ledger_url: str | None, command: str
+) -> Iterator[tuple[Any, str]]:
+    """The ledger a demo runs on, and how to say which it is: the URL given with --ledger,
+    the SQLite file given, or else a throwaway one in a temporary folder that is deleted
+    when the demo ends (a demo never writes into the user's real default ledger)."""
+    from ..backends._options import redact
+    from ..backends._url import backend_from_url
+    from ..backends.sqlite import SQLiteCacheBackend, sqlite_url
+
+    if ledger_url is not None and ledger_path is not None:
+        raise ValueError("give the demo's ledger as a URL or as a path, not both")
+    with contextlib.ExitStack() as stack:
+        if ledger_url is not None:
+            backend = backend_from_url(ledger_url)
+            described = f"{redact(ledger_url)} (given with --ledger)"
+        elif ledger_path is not None:
+            backend = SQLiteCacheBackend(os.path.abspath(ledger_path))
+            described = f"{sqlite_url(backend.path)} (given)"
+        else:
+            folder = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix=f"crewai-idempotent-{command}-")
+            )
+            backend = SQLiteCacheBackend(Path(folder) / "ledger.db")
+            described = (
+                f"{backend.url} (a throwaway ledger, deleted when the demo ends; "
+                f"`crewai-idempotent --ledger URL {command}` runs it on one you keep)"
+            )
+        stack.callback(backend.close)
+        yield backend, described
+
+
 def command_line(run: Callable[[str | None], int], module: str, argv: list[str] | None) -> int:
-    """`python -m MODULE [LEDGER_PATH]`: run a demo on the ledger given, if any."""
+    """`python -m MODULE [LEDGER_PATH]`: run a demo on the SQLite file given, else on a
+    throwaway ledger."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) > 1 or (args and args[0] in ("-h", "--help")):
         print(f"usage: python -m {module} [LEDGER_PATH]")

@@ -8,9 +8,11 @@ charged once per distinct invoice, the receipts are in the crew's ledger (not th
 default), and an uncertain outcome stopped the kickoff. tests/test_crewai_paths.py runs
 the same checks in the suite, on every release of the matrix.
 
-The doctor runs them in a fresh interpreter (`run_in_subprocess`, below `main`, which
-speaks the same line protocol): crewai is imported inside the checks only, so the
-doctor's side of this module costs no crewai import. It stays one module of ~430 lines:
+The doctor, and a release verifying itself (`_verify`), run them in a fresh interpreter
+(`run_in_subprocess`, beside `main`, which speaks the same line protocol: the checks that
+apply first, then one line per check as it finishes): crewai is imported inside the
+checks only, so the doctor's side of this module costs no crewai import. It stays one
+module of ~480 lines:
 the checks, the scripted answers they give and both ends of the line protocol are read
 together when a check fails on a new crewai release.
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -370,10 +371,19 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def run_all(selected: list[Check] | None = None) -> list[Result]:
+def run_all(
+    selected: list[Check] | None = None, each: Callable[[Result], None] | None = None
+) -> list[Result]:
+    """Every check (or those `selected`), `each(result)` called as each one finishes."""
     install()
+    results = []
     with tempfile.TemporaryDirectory(prefix="crewai-idempotent-self-test-") as tmp, _quiet():
-        return [run_check(check, Path(tmp)) for check in (selected or checks())]
+        for check in selected or checks():
+            result = run_check(check, Path(tmp))
+            results.append(result)
+            if each is not None:
+                each(result)
+    return results
 
 
 # -- the doctor's side -----------------------------------------------------------------
@@ -382,47 +392,96 @@ OFFLINE = {**_OFFLINE, "CREWAI_TESTING": "true", "OPENAI_API_KEY": "sk-self-test
 _MARK = "crewai-idempotent-self-test: "
 
 
-def run_in_subprocess(timeout_s: float = 600.0) -> tuple[str, list[dict[str, Any]], str]:
+def run_in_subprocess(
+    timeout_s: float = 600.0,
+    *,
+    on_plan: Callable[[str, list[str]], None] | None = None,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[str, list[dict[str, Any]], str]:
     """Run every check in a fresh interpreter, the full guard installed whatever the
-    crewai release (that is the point): (crewai version, results, its stderr tail)."""
+    crewai release (that is the point): (crewai version, results, its stderr tail).
+
+    `on_plan(version, labels)` is called once the interpreter knows which checks apply, and
+    `on_result(result)` as each check finishes, so a caller can show progress.
+    `subprocess.TimeoutExpired` if it runs past `timeout_s` (it is killed then)."""
     env = {**os.environ, **OFFLINE, ALLOW_UNTESTED_ENV: "1"}
     env.pop(URL_ENV, None)
-    with tempfile.TemporaryDirectory(prefix="crewai-idempotent-self-test-") as home:
+    command = [sys.executable, "-m", "crewai_idempotent.integration._selftest"]
+    version = "unknown"
+    results: list[dict[str, Any]] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="crewai-idempotent-self-test-") as home,
+        tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as errors,
+    ):
         env["XDG_DATA_HOME"] = home  # crewai's storage folder: nothing of the user's is touched
-        done = subprocess.run(
-            [sys.executable, "-m", "crewai_idempotent.integration._selftest"],
+        process = subprocess.Popen(
+            command,
             env=env,
             cwd=home,
-            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=errors,  # a file, not a pipe: nobody reads it until the end
             text=True,
-            timeout=timeout_s,
+            encoding="utf-8",
+            errors="replace",
         )
-    version = "unknown"
-    results = []
-    for line in done.stdout.splitlines():
-        if line.startswith(_MARK):
-            record = json.loads(line.removeprefix(_MARK))
-            if "crewai" in record:
-                version = record["crewai"]
-            else:
-                results.append(record)
-    return version, results, done.stderr[-2000:] if done.returncode else ""
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            process.kill()
+
+        timer = threading.Timer(timeout_s, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:
+                if not line.startswith(_MARK):
+                    continue
+                record = json.loads(line.removeprefix(_MARK))
+                if "crewai" in record:
+                    version = record["crewai"]
+                    if on_plan is not None:
+                        on_plan(version, list(record.get("checks", [])))
+                else:
+                    results.append(record)
+                    if on_result is not None:
+                        on_result(record)
+            process.wait()
+        finally:
+            timer.cancel()
+            if process.poll() is None:  # interrupted (^C) or a callback raised
+                process.kill()
+                process.wait()
+        if expired.is_set():
+            raise subprocess.TimeoutExpired(command, timeout_s)
+        errors.seek(0)
+        tail = errors.read()[-2000:] if process.returncode else ""
+    return version, results, tail
 
 
 def main() -> int:
     warnings.simplefilter("ignore")  # the untested-release warning: the report says it
-    print(_MARK + json.dumps({"crewai": importlib.metadata.version("crewai")}), flush=True)
+    import crewai
+
+    selected = checks()
+    plan = {"crewai": str(crewai.__version__), "checks": [c.label for c in selected]}
+    print(_MARK + json.dumps(plan), flush=True)
     failed = 0
-    for result in run_all():
+    for result in run_all(selected, each=_report):
         failed += not result.passed
-        record = {
-            "check": result.check.label,
-            "passed": result.passed,
-            "detail": result.detail,
-            "seconds": round(result.seconds, 3),
-        }
-        print(_MARK + json.dumps(record), flush=True)
     return 1 if failed else 0
+
+
+def _report(result: Result) -> None:
+    record = {
+        "check": result.check.label,
+        "passed": result.passed,
+        "detail": result.detail,
+        "seconds": round(result.seconds, 3),
+    }
+    print(_MARK + json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ Subscribe to post a request to Slack or a ticket queue::
 
     @crewai_event_bus.on(ApprovalRequestedEvent)
     def notify(source, event):
-        post(f"{event.tool_name}: {event.summary} needs approval: "
-             f"crewai-idempotent approvals approve {event.request_id}")
+        post(f"{event.tool_name}: {event.summary} needs approval: {event.approve_command}")
+
+`approve_command` is `crewai-idempotent approvals approve ID`, with `--ledger URL`
+(passwords as `***`) when the request is not in the CLI's default ledger.
 
 `ApprovalRequestedEvent` is emitted by the process whose call created the request (or
 opened a new round after an expired or spent grant). `ApprovalDecidedEvent` is emitted by
@@ -36,6 +38,7 @@ class ApprovalEvent(BaseEvent):
     task_key: str | None = None
     kickoff_id: str | None = None
     round: int = 1
+    approve_command: str = ""
 
 
 class ApprovalRequestedEvent(ApprovalEvent):
@@ -77,6 +80,7 @@ def _to_bus(kind: str, request: _approvals.ApprovalRequest) -> None:
         "task_key": request.task,
         "kickoff_id": request.kickoff,
         "round": request.round,
+        "approve_command": request.approve_command,
     }
     if kind == "created":
         event: ApprovalEvent = ApprovalRequestedEvent(**common)
