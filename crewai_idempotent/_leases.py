@@ -53,6 +53,7 @@ class _LeaseKeeper(LockedAcrossFork):
 
     def __init__(self, backend: CacheBackend) -> None:
         self._backend = backend
+        self._host = backend.host_clock
         self._claims: dict[int, _Claim] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -116,7 +117,15 @@ class _LeaseKeeper(LockedAcrossFork):
             current = claim.record
             try:
                 now = self._backend.now()
-                new = current.evolve(None, lease_expires_at=now + claim.lease_s, updated_at=now)
+                host = self._host
+                new = current.evolve(
+                    None,
+                    lease_expires_at=now + claim.lease_s,
+                    host_lease=None
+                    if host is None
+                    else (host.boot, host.running() + claim.lease_s),
+                    updated_at=now,
+                )
                 stored = self._backend.replace(current, new)
             except Exception:
                 log.warning("could not renew the lease on %r", current.key, exc_info=True)

@@ -116,6 +116,7 @@ class Ledger(_Machine):
         self._clock = clock
         self._monotonic = time.monotonic if clock is None else clock.monotonic
         self._sleep = time.sleep if clock is None else clock.sleep
+        self._host = backend.host_clock
         self._keeper = _LeaseKeeper(backend)
         self._rooms = _Rooms(clock)
         self._lanes = _Lanes()
@@ -253,7 +254,9 @@ class Ledger(_Machine):
 
     def is_stale(self, record: Record) -> bool:
         """True for a PENDING record whose owner stopped renewing its lease."""
-        return record.status is Status.PENDING and not record.lease_live(self.backend.now())
+        return record.status is Status.PENDING and not record.lease_live(
+            self.backend.now(), self._host
+        )
 
     def resolve(
         self,
@@ -283,7 +286,7 @@ class Ledger(_Machine):
         now = self.backend.now()
         for record in self.records():
             keep = record.status in (Status.PENDING, Status.UNCERTAIN) or (
-                expired_only and not record.expired(now)
+                expired_only and not record.expired(now, self._host)
             )
             if not keep and self._drive(self._delete(record)):
                 removed += 1

@@ -32,10 +32,11 @@ from ._errors import (
     OutcomeUncertain,
     ResolutionRefused,
 )
+from ._hostclock import HostClock
 from ._leases import _Claim
 from ._policy import Listener, _Options
 from ._reconcile import Absent, Found, Unknown
-from ._record import Event, Owner, Peek, Record, Status, _label, _this_process
+from ._record import Event, HostDeadline, Owner, Peek, Record, Status, _label, _this_process
 from ._results import decode, encode
 from ._rooms import _UNKNOWN, _Room, _Rooms
 from ._steps import _MISSING, Outcome, Step, _Ask, _Call, _Park, _Sleep
@@ -56,6 +57,9 @@ class _Machine:
     _listeners: list[Listener]
     _rooms: _Rooms
     _monotonic: Callable[[], float]
+    # The host's clock when every process using the store runs on this host (the
+    # backend's `host_clock`): leases and TTLs are judged by it as well as by `now()`.
+    _host: HostClock | None
 
     def _replay(self, peeked: Peek | None, o: _Options) -> Outcome[Any] | None:
         """The replay of a peeked record, if it is a live receipt for these arguments.
@@ -65,7 +69,7 @@ class _Machine:
         with the whole record. The sync driver peeks in the caller's thread and asks this
         before it starts `_acquire`; the async one peeks inside `_acquire`, on a lane.
         """
-        if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now()):
+        if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now(), self._host):
             if self._listeners:
                 self._emit("replay", peeked.record())
             return Outcome(decode(peeked.result), True, peeked)
@@ -134,7 +138,7 @@ class _Machine:
             now = self.backend.now()
             status = held.status if held is not None else None
             if held is not None and status is not Status.PENDING and status is not Status.FAILED:
-                if status is Status.COMMITTED and not held.expired(now):
+                if status is Status.COMMITTED and not held.expired(now, self._host):
                     self._check_fingerprint(held, o)
                     self._emit("replay", held)
                     return Outcome(held.value(), True, held)
@@ -143,13 +147,16 @@ class _Machine:
                     if o.reconcile is None or held.needs_operator:
                         self._emit("uncertain", held)
                         raise OutcomeUncertain(key, held, held.error or "the outcome is unknown")
-            if held is not None and status is Status.PENDING and held.lease_live(now):
+            lease_left = 0.0
+            if held is not None and status is Status.PENDING:
+                lease_left = held.lease_left(now, self._host)
+            if lease_left > 0:
+                assert held is not None
                 self._check_fingerprint(held, o)
                 waited = self._monotonic() - started
                 if waited >= o.wait_s:
                     self._emit("in_progress", held)
                     raise OperationInProgress(key, held, waited)
-                lease_left = (held.lease_expires_at or now) - now
                 if rooms.hold(room, seen):
                     # This member polls for everyone; news from this process (the
                     # owner's commit) ends the pause early and spares the read.
@@ -219,6 +226,7 @@ class _Machine:
         record = Record(
             room.key, Status.PENDING, o.fingerprint, 1, 1, owner, 1, now, now, now + o.lease_s,
             None, None, None, False, (), (Event(now, "claim", 1, label),),
+            self._host_lease(o.lease_s),
         )  # fmt: skip
         try:
             holder = yield _Call(self.backend.insert, record, claims=record)
@@ -247,7 +255,10 @@ class _Machine:
         if status is Status.UNCERTAIN:  # with a reconciler
             return (yield from self._reconcile(held, o, "uncertain"))
         # PENDING whose owner stopped renewing the lease
-        lapse = f"lease expired {now - (held.lease_expires_at or now):.1f} s ago"
+        if held.restarted_under(self._host):
+            lapse = "the host restarted since its owner renewed the lease"
+        else:
+            lapse = f"lease expired {-held.lease_left(now, self._host):.1f} s ago"
         if o.on_stale == "retry":
             return (yield from self._take_over(held, o, "takeover", f"{lapse}; on_stale=retry"))
         if o.on_stale == "reconcile":
@@ -278,6 +289,16 @@ class _Machine:
         except LedgerUnavailable:
             pass  # still unreachable: a claim that landed lapses and is treated as stale
 
+    def _host_lease(self, lease_s: float) -> HostDeadline | None:
+        """A lease of `lease_s` from now on the host's clock, if the store has one."""
+        host = self._host
+        return None if host is None else (host.boot, host.running() + lease_s)
+
+    def _host_expiry(self, ttl: float | None) -> HostDeadline | None:
+        """A receipt's TTL from now on the host's clock, if the store has one."""
+        host = self._host
+        return None if host is None or not ttl else (host.boot, host.elapsed() + ttl)
+
     def _check_fingerprint(self, held: Record, o: _Options) -> None:
         if held.fingerprint != o.fingerprint:
             self._emit("conflict", held)
@@ -296,6 +317,7 @@ class _Machine:
             attempts=1 if kind == "expire" else held.attempts + 1,
             updated_at=now,
             lease_expires_at=now + o.lease_s,
+            host_lease=self._host_lease(o.lease_s),
             expires_at=None,
             result=None,
             error=None,
@@ -331,6 +353,7 @@ class _Machine:
                 updated_at=now,
                 lease_expires_at=None,
                 expires_at=now + o.ttl if o.ttl else None,
+                host_expires=self._host_expiry(o.ttl),
                 result=encode(verdict.result),
                 error=None,
             )
@@ -368,6 +391,7 @@ class _Machine:
                 now,
                 result=payload,
                 expires_at=now + claim.ttl if claim.ttl else None,
+                host_expires=self._host_expiry(claim.ttl),
             )
         else:
             payload = None
@@ -378,6 +402,7 @@ class _Machine:
                 now,
                 error=reason,
                 expires_at=current.expires_at,
+                host_expires=current.host_expires,
             )
         deadline = self._monotonic() + self.commit_retry_s
         delay = 0.05
@@ -510,7 +535,7 @@ class _Machine:
             if held is None:
                 raise ResolutionRefused(f"no record for idempotency key {key!r}")
             now = self.backend.now()
-            stale = held.status is Status.PENDING and not held.lease_live(now)
+            stale = held.status is Status.PENDING and not held.lease_live(now, self._host)
             if held.status is not Status.UNCERTAIN and not stale:
                 raise ResolutionRefused(
                     f"idempotency key {key!r} is {held.status}"
@@ -529,6 +554,7 @@ class _Machine:
                     event, status=Status.COMMITTED, updated_at=now, lease_expires_at=None,
                     result=encode(result), error=None, needs_operator=False,
                     expires_at=now + self.ttl if self.ttl else None,  # as a commit would
+                    host_expires=self._host_expiry(self.ttl),
                 )  # fmt: skip
             if (yield _Call(self.backend.replace, held, new)):
                 self._rooms.publish(new.key, new)
