@@ -117,7 +117,7 @@ class Ledger(_Machine):
         self._monotonic = time.monotonic if clock is None else clock.monotonic
         self._sleep = time.sleep if clock is None else clock.sleep
         self._host = backend.host_clock
-        self._keeper = _LeaseKeeper(backend)
+        self._keeper = _LeaseKeeper(backend, clock)
         self._rooms = _Rooms(clock)
         self._lanes = _Lanes()
 

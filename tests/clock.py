@@ -3,10 +3,10 @@ at once.
 
 `ManualClock` is the real clock plus an offset the test advances (time keeps flowing, so
 nothing that waits on real events hangs). Give it to a ledger as `clock=` (its waits and
-pauses advance the offset instead of sleeping) and wrap the store in `ClockedBackend`,
-whose clocks (what leases and TTLs are judged by: `now()` and, for an embedded store, the
-host's clock) are the store's own plus the same offset. `FakeHostClock` is a host clock
-whose readings a test sets.
+pauses advance the offset instead of sleeping, and its lease keeper's schedule runs on it)
+and wrap the store in `ClockedBackend`, whose clocks (what leases and TTLs are judged by:
+`now()` and, for an embedded store, the host's clock) are the store's own plus the same
+offset. `FakeHostClock` is a host clock whose readings a test sets.
 """
 
 from __future__ import annotations
@@ -34,6 +34,17 @@ class ManualClock:
 
     def sleep(self, seconds: float) -> None:
         self.advance(max(seconds, 0.0))
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        """Until `event` is set or `seconds` pass on this clock; an `advance` past the
+        deadline ends the wait within a few milliseconds."""
+        deadline = self.monotonic() + seconds
+        while True:
+            left = deadline - self.monotonic()
+            if left <= 0:
+                return event.is_set()
+            if event.wait(min(left, 0.005)):
+                return True
 
 
 class FakeHostClock(HostClock):

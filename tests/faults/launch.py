@@ -126,6 +126,21 @@ def wait_for_marker(proc: Proc, timeout: float = 60.0) -> dict[str, Any]:
         time.sleep(0.005)
 
 
+def wait_for_file(proc: Proc, path: str | None, timeout: float = 60.0) -> dict[str, Any]:
+    """Wait until the worker wrote `path` (e.g. its `started` file); fail if it exited."""
+    assert path, "this worker writes no such file"
+    written = Path(path)
+    deadline = time.monotonic() + timeout
+    while not written.exists():
+        code = proc.poll()
+        if code is not None:
+            raise AssertionError(f"worker {proc.pid} exited ({code}) early:\n{proc.log_tail()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker {proc.pid} did not write {path} in {timeout} s")
+        time.sleep(0.005)
+    return json.loads(written.read_text("utf-8"))  # type: ignore[no-any-return]
+
+
 def wait_stopped(pid: int, timeout: float = 10.0) -> None:
     """Wait until the kernel reports `pid` as stopped (after SIGSTOP)."""
     deadline = time.monotonic() + timeout

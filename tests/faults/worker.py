@@ -14,7 +14,8 @@ At ``--pause-at`` the worker writes ``--marker`` (atomically) and blocks: foreve
 the ``--release`` file exists. Ledger listeners run synchronously in the worker's thread, so
 blocking in one stops the worker exactly between two ledger steps; the lease keeper thread
 keeps running, as it would in a real slow worker. ``--signal-at`` writes the marker and
-carries on. The outcome is written as JSON to ``--report`` (and printed).
+carries on. ``--started FILE`` is written just before the guarded call begins (a waiter
+is about to ask the ledger). The outcome is written as JSON to ``--report`` (and printed).
 
 With ``--plan FILE`` the worker runs many keys at once, each in its own thread and each
 stopping at its own point (see `run_plan`): a process that dies with many calls in flight.
@@ -69,6 +70,7 @@ class Spec:
     work_s: float = 0.0
     amount: int = 100
     plan: str | None = None  # a JSON file: many keys at once (`run_plan`)
+    started: str | None = None  # written just before the guarded call begins
 
     def argv(self) -> list[str]:
         args: list[str] = []
@@ -218,6 +220,8 @@ def _call(
         return receipt
 
     report: dict[str, Any] = {"key": key, "pid": os.getpid(), "started": time.time()}
+    if spec.started:
+        _write_atomically(Path(spec.started), json.dumps(report))
     try:
         outcome = ledger.execute(
             key,
@@ -295,6 +299,7 @@ def _parse(argv: list[str] | None) -> Spec:
     parser.add_argument("--work-s", type=float, default=0.0)
     parser.add_argument("--amount", type=int, default=100)
     parser.add_argument("--plan", help="a JSON file of keys to run at once (see run_plan)")
+    parser.add_argument("--started", help="a file written just before the guarded call")
     return Spec(**vars(parser.parse_args(argv)))
 
 
