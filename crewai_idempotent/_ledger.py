@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -41,6 +42,7 @@ from ._policy import (
     StalePolicy,
     _Options,
     check_durations,
+    check_reconcile_timeout,
     check_seconds,
 )
 from ._reconcile import aask, ask
@@ -86,8 +88,13 @@ class Ledger(_Machine):
     README for the state machine.
 
     `clock` (a `_policy.Clock`) measures this ledger's waits: `wait_s` on a live claim,
-    the pauses between polls and between commit retries. Tests and simulations give one
-    they move; by default `time.monotonic` and `time.sleep`, looked up once, here.
+    the pauses between polls and between commit retries, the lease keeper's schedule, and
+    a sync call's wait for its reconciler. Tests and simulations give one they move; by
+    default `time.monotonic` and `time.sleep`, looked up once, here.
+
+    `reconcile_timeout_s` bounds how long a call waits for its reconciler's answer; past
+    it the answer is `Unknown` (the record turns UNCERTAIN) and a late one is ignored.
+    None waits without bound.
     """
 
     def __init__(
@@ -101,11 +108,13 @@ class Ledger(_Machine):
         listener: Listener | None = None,
         commit_retry_s: float = 10.0,
         clock: Clock | None = None,
+        reconcile_timeout_s: float | None = 30.0,
     ) -> None:
         if not isinstance(backend, CacheBackend):
             raise TypeError(f"backend must be a CacheBackend, not {type(backend).__name__}")
         check_durations(wait_s, lease_s, ttl)
         check_seconds("commit_retry_s", commit_retry_s)
+        self.reconcile_timeout_s = _bound(reconcile_timeout_s)
         self.backend = backend
         self.wait_s = wait_s
         self.lease_s = lease_s
@@ -116,6 +125,8 @@ class Ledger(_Machine):
         self._clock = clock
         self._monotonic = time.monotonic if clock is None else clock.monotonic
         self._sleep = time.sleep if clock is None else clock.sleep
+        waits = getattr(clock, "wait", None)
+        self._wait: Callable[[threading.Event, float], bool] | None = waits
         self._host = backend.host_clock
         self._keeper = _LeaseKeeper(backend, clock)
         self._rooms = _Rooms(clock)
@@ -150,6 +161,7 @@ class Ledger(_Machine):
         reconcile: Reconciler | None = None,
         on_stale: StalePolicy | None = None,
         wrap_errors: bool = False,
+        reconcile_timeout_s: float | None = _MISSING,
     ) -> Outcome[T]:
         """Like `run`, but says whether the value was replayed and returns the record.
 
@@ -158,6 +170,8 @@ class Ledger(_Machine):
         """
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
+        if reconcile_timeout_s is not _MISSING:
+            options.reconcile_timeout_s = _bound(reconcile_timeout_s)
         if self.backend.read_first:
             # The replay's fast path without a trip through the driver: the same peek
             # and the same decision (`_replay`) that `_acquire` makes on the async path.
@@ -207,11 +221,14 @@ class Ledger(_Machine):
         reconcile: Reconciler | None = None,
         on_stale: StalePolicy | None = None,
         wrap_errors: bool = False,
+        reconcile_timeout_s: float | None = _MISSING,
     ) -> Outcome[T]:
         """Async twin of `execute`. Waiting happens on the event loop; backend calls run on
         this ledger's own small thread pools, never the loop's default executor."""
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
+        if reconcile_timeout_s is not _MISSING:
+            options.reconcile_timeout_s = _bound(reconcile_timeout_s)
         acquired = await self._adrive(self._acquire(key, options), self._lanes.io)
         if isinstance(acquired, Outcome):
             return acquired
@@ -322,7 +339,9 @@ class Ledger(_Machine):
             raise ValueError("on_stale='reconcile' needs a reconcile= callable")
         if not isinstance(fingerprint, str):
             raise TypeError("fingerprint must be a str (see crewai_idempotent.fingerprint)")
-        return _Options(fingerprint, args, wait_s, lease_s, ttl, reconcile, policy)
+        return _Options(
+            fingerprint, args, wait_s, lease_s, ttl, reconcile, policy, self.reconcile_timeout_s
+        )
 
     def _unrecorded(self, claim: _Claim, value: Any) -> Outcome[Any]:
         # The effect happened and its receipt is in hand, so the caller gets it. The record
@@ -385,7 +404,7 @@ class Ledger(_Machine):
                     self._sleep(max(step.seconds, 0.0))
                 else:
                     assert type(step) is _Ask
-                    reply = ask(step.reconcile, step.key, step.args)
+                    reply = ask(step.reconcile, step.key, step.args, step.timeout, self._wait)
         finally:
             steps.close()  # a member that leaves early still leaves its room
 
@@ -437,7 +456,7 @@ class Ledger(_Machine):
                         self._clock.sleep(max(step.seconds, 0.0))
                 else:
                     assert type(step) is _Ask
-                    reply = await aask(step.reconcile, step.key, step.args, self._lanes.io)
+                    reply = await aask(step.reconcile, step.key, step.args, step.timeout)
         finally:
             steps.close()
 
@@ -470,6 +489,12 @@ class Ledger(_Machine):
         error = LedgerUnavailable(f"{self.backend!r}: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return error
+
+
+def _bound(reconcile_timeout_s: Any) -> float | None:
+    """A call's `reconcile_timeout_s`, checked; infinity is no bound, as None."""
+    check_reconcile_timeout(reconcile_timeout_s)
+    return None if reconcile_timeout_s == float("inf") else reconcile_timeout_s
 
 
 def _settled(outcome: Outcome[Any], status: Status) -> Record | None:

@@ -35,7 +35,7 @@ from ._errors import (
 from ._hostclock import HostClock
 from ._leases import _Claim
 from ._policy import Listener, _Options
-from ._reconcile import Absent, Found, Unknown
+from ._reconcile import Absent, Found, Unanswered, Unknown
 from ._record import Event, HostDeadline, Owner, Peek, Record, Status, _label, _this_process
 from ._results import decode, encode
 from ._rooms import _UNKNOWN, _Room, _Rooms
@@ -144,7 +144,9 @@ class _Machine:
                     return Outcome(held.value(), True, held)
                 if status is Status.UNCERTAIN:
                     self._check_fingerprint(held, o)
-                    if o.reconcile is None or held.needs_operator:
+                    # A reconciler that did not answer for another member of this room a
+                    # moment ago is not asked again for the ones who waited for it.
+                    if o.reconcile is None or held.needs_operator or held is room.unanswered:
                         self._emit("uncertain", held)
                         raise OutcomeUncertain(key, held, held.error or "the outcome is unknown")
             lease_left = 0.0
@@ -253,7 +255,7 @@ class _Machine:
         if status is Status.FAILED:
             return (yield from self._take_over(held, o, "takeover", "previous attempt failed"))
         if status is Status.UNCERTAIN:  # with a reconciler
-            return (yield from self._reconcile(held, o, "uncertain"))
+            return (yield from self._reconcile(room, held, o, "uncertain"))
         # PENDING whose owner stopped renewing the lease
         if held.restarted_under(self._host):
             lapse = "the host restarted since its owner renewed the lease"
@@ -262,7 +264,7 @@ class _Machine:
         if o.on_stale == "retry":
             return (yield from self._take_over(held, o, "takeover", f"{lapse}; on_stale=retry"))
         if o.on_stale == "reconcile":
-            return (yield from self._reconcile(held, o, lapse))
+            return (yield from self._reconcile(room, held, o, lapse))
         yield from self._mark_uncertain(
             held,
             f"its owner {_label(held)} stopped renewing its lease ({lapse}) "
@@ -328,7 +330,11 @@ class _Machine:
             return _Claim(new, o)
         return None
 
-    def _mark_uncertain(self, held: Record, reason: str) -> Step[None]:
+    def _mark_uncertain(
+        self, held: Record, reason: str, unanswered: _Room | None = None
+    ) -> Step[None]:
+        """Record UNCERTAIN and raise OutcomeUncertain. `unanswered`: the room whose
+        members waited for a reconciler that did not answer; they get the same answer."""
         now = self.backend.now()
         new = held.evolve(
             Event(now, "uncertain", held.token, _this_process(), reason),
@@ -338,13 +344,17 @@ class _Machine:
             error=reason,
         )
         if (yield _Call(self.backend.replace, held, new)):
+            if unanswered is not None:
+                unanswered.unanswered = new
             self._rooms.publish(new.key, new)
             self._emit("uncertain", new)
             raise OutcomeUncertain(held.key, new, reason)
 
-    def _reconcile(self, held: Record, o: _Options, why: str) -> Step[Outcome[Any] | _Claim | None]:
+    def _reconcile(
+        self, room: _Room, held: Record, o: _Options, why: str
+    ) -> Step[Outcome[Any] | _Claim | None]:
         assert o.reconcile is not None
-        verdict = yield _Ask(o.reconcile, held.key, o.args)
+        verdict = yield _Ask(o.reconcile, held.key, o.args, o.reconcile_timeout_s)
         now = self.backend.now()
         if isinstance(verdict, Found):
             new = held.evolve(
@@ -365,7 +375,8 @@ class _Machine:
         if isinstance(verdict, Absent):
             return (yield from self._take_over(held, o, "takeover", f"{why}; reconciler: absent"))
         assert isinstance(verdict, Unknown)
-        yield from self._mark_uncertain(held, f"{why}; {verdict.reason}")
+        unanswered = room if isinstance(verdict, Unanswered) else None
+        yield from self._mark_uncertain(held, f"{why}; {verdict.reason}", unanswered)
         return None
 
     def _finish(

@@ -61,6 +61,12 @@ def check_durations(wait_s: object, lease_s: object, ttl: object) -> None:
         check_seconds("ttl", ttl, positive=True)
 
 
+def check_reconcile_timeout(value: object) -> None:
+    """`reconcile_timeout_s`: more than 0 seconds, or None (no bound)."""
+    if value is not None:
+        check_seconds("reconcile_timeout_s", value, positive=True)
+
+
 @dataclass(slots=True)  # not frozen: built on every call, and frozen fields cost a call each
 class _Options:
     fingerprint: str
@@ -70,3 +76,4 @@ class _Options:
     ttl: float | None
     reconcile: Reconciler | None
     on_stale: StalePolicy
+    reconcile_timeout_s: float | None = None  # None: the reconciler is waited for without bound

@@ -155,7 +155,8 @@ class IdempotencyConfig:
     - `on_uncertain`: "raise" (default) stops the kickoff with `OutcomeUncertain`;
       "report" hands it to the agent as a tool error instead.
     - `idempotency_key`: the key template (or callable) for tools that set none.
-    - `wait_s`, `lease_s`, `ttl`, `on_stale`: as on the tool and on `Ledger`.
+    - `wait_s`, `lease_s`, `ttl`, `on_stale`, `reconcile_timeout_s`: as on the tool and
+      on `Ledger`.
     """
 
     backend: CacheBackend | str | None = None
@@ -165,6 +166,7 @@ class IdempotencyConfig:
     lease_s: float | None = None
     ttl: float | None = None
     on_stale: StalePolicy | None = None
+    reconcile_timeout_s: float | None = None
     # Approval gates and spend caps (checked below, used by _gates.py): by tool name.
     approval: Mapping[str, bool | Callable[[dict[str, Any], Any], bool]] | None = None
     spend: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None
@@ -188,6 +190,7 @@ class IdempotencyConfig:
         _check_seconds("lease_s", self.lease_s, positive=True)
         _check_seconds("ttl", self.ttl, positive=True)
         _check_on_stale(self.on_stale)
+        _check_seconds("reconcile_timeout_s", self.reconcile_timeout_s, positive=True)
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,7 @@ class ToolOptions:
     ttl: float | None = None
     reconcile: Reconciler | None = None
     on_stale: StalePolicy | None = None
+    reconcile_timeout_s: float | None = None
     fingerprint: Fingerprinter | None = None
     # Approval gates and spend caps (see _gates.py and docs/approvals.md).
     approval: bool | Callable[[dict[str, Any], Any], bool] | None = None
@@ -221,6 +225,7 @@ class ToolOptions:
         if self.reconcile is not None and not callable(self.reconcile):
             raise TypeError("reconcile must be a callable (key, args) -> Found | Absent | Unknown")
         _check_on_stale(self.on_stale)
+        _check_seconds("reconcile_timeout_s", self.reconcile_timeout_s, positive=True)
         if self.fingerprint is not None and not callable(self.fingerprint):
             raise TypeError(
                 "fingerprint must be a callable (args) -> JSON-able data, "
@@ -315,6 +320,7 @@ class Settings:
     reconcile: Reconciler | None
     on_stale: StalePolicy | None
     on_uncertain: OnUncertain
+    reconcile_timeout_s: float | None = None
 
     def ledger_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {
@@ -325,6 +331,8 @@ class Settings:
         }
         if self.ttl is not None:  # unset: the ledger's own default applies
             options["ttl"] = self.ttl
+        if self.reconcile_timeout_s is not None:  # likewise
+            options["reconcile_timeout_s"] = self.reconcile_timeout_s
         return options
 
 
@@ -371,6 +379,7 @@ def resolve(tool: ToolOptions, crew: IdempotencyConfig | None) -> Settings:
         reconcile=tool.reconcile,
         on_stale=pick("on_stale"),
         on_uncertain=pick("on_uncertain") or "raise",
+        reconcile_timeout_s=pick("reconcile_timeout_s"),
     )
 
 
