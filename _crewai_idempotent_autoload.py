@@ -44,6 +44,7 @@ OPTION_NAMES = (
     "ttl",
     "reconcile",
     "on_stale",
+    "reconcile_timeout_s",
     "fingerprint",
     "approval",
     "spend",

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .backends._url import backend_from_url
     from .backends.filelock import FileLockCacheBackend
     from .backends.memory import InMemoryCacheBackend
-    from .backends.postgres import PostgresCacheBackend
+    from .backends.postgres import PostgresCacheBackend, PostgresDurabilityWarning
     from .backends.redis import RedisCacheBackend, RedisDurabilityWarning
     from .backends.sqlite import SQLiteCacheBackend
     from .integration import IdempotencyConfig, KeyContext, configure, idempotent
@@ -71,6 +71,7 @@ _LAZY = {
     "FileLockCacheBackend": ".backends.filelock",
     "InMemoryCacheBackend": ".backends.memory",
     "PostgresCacheBackend": ".backends.postgres",
+    "PostgresDurabilityWarning": ".backends.postgres",
     "RedisCacheBackend": ".backends.redis",
     "RedisDurabilityWarning": ".backends.redis",
     "SQLiteCacheBackend": ".backends.sqlite",
@@ -116,6 +117,7 @@ __all__ = [
     "OutcomeUnknown",
     "Owner",
     "PostgresCacheBackend",
+    "PostgresDurabilityWarning",
     "Record",
     "RedisCacheBackend",
     "RedisDurabilityWarning",

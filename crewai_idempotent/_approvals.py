@@ -16,6 +16,13 @@ outcome is known, so "used once" is the key's own promise: a takeover of the sam
 after the body is known not to have run (FAILED, `resolve --absent`) may use the grant
 again; once the key has committed, or under a new record for the key, the grant is spent
 and a new round of approval is needed.
+
+A grant lasts `ttl_s` seconds of real time. On an embedded ledger (one host) it is judged
+by the host's clock (`_hostclock`), which no wall-clock step moves: a clock set back an
+hour does not stretch a grant, one set forward does not end it. Its deadline on that clock
+is kept beside the wall-clock one it was written with (`grant_host`), and used only while
+the two still match: a grant written under another boot, or by a version that did not
+write one, is judged by the wall clock.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 from . import _gatestore
 from ._backend import CacheBackend, ledger_option, url_of
 from ._errors import ApprovalDenied, ApprovalRequired, command
+from ._hostclock import HostClock
 from ._record import Record
 
 KIND = "approval/"
@@ -184,6 +192,12 @@ class Approvals:
             doc = {**doc, "state": state.value, "decided_at": now, "decided_by": by}
             doc["decision_reason"] = reason
             doc["grant_expires_at"] = now + ttl_s if ttl_s is not None else None
+            host = self.backend.host_clock
+            doc["grant_host"] = (
+                [host.boot, host.elapsed() + ttl_s, doc["grant_expires_at"]]
+                if host is not None and ttl_s is not None
+                else None
+            )
             _event(doc, now, state.value.lower(), by, reason)
             return doc
 
@@ -242,7 +256,7 @@ class Approvals:
                     claim.key, rid, doc["decided_by"] or "?", doc["decision_reason"]
                 )
                 raise _gatestore.Unchanged(doc)
-            expired = doc["grant_expires_at"] is not None and doc["grant_expires_at"] <= now
+            expired = _grant_expired(doc, now, self.backend.host_clock)
             same_run = (
                 state is ApprovalState.USED
                 and doc["used_record"] == claim.created_at
@@ -275,9 +289,28 @@ class Approvals:
         return request
 
 
+def _grant_expired(doc: dict[str, Any], now: float, host: HostClock | None) -> bool:
+    """Whether a grant's time is up: by the host's clock when its deadline on it was read
+    on this boot and still goes with the grant's wall-clock deadline, else by `now`."""
+    at = doc["grant_expires_at"]
+    if at is None:
+        return False
+    stamp = doc.get("grant_host")
+    if (
+        host is not None
+        and isinstance(stamp, list)
+        and len(stamp) == 3
+        and stamp[0] == host.boot
+        and stamp[2] == at
+    ):
+        return bool(stamp[1] <= host.elapsed())
+    return bool(at <= now)
+
+
 def _new_round(doc: dict[str, Any], now: float, why: str) -> dict[str, Any]:
     doc = {**doc, "state": ApprovalState.PENDING.value, "round": doc["round"] + 1}
     doc.update(decided_at=None, decided_by=None, decision_reason="", grant_expires_at=None)
+    doc["grant_host"] = None
     doc.update(used_at=None, used_token=None, used_record=None)
     _event(doc, now, "reopened", "guard", why)
     return doc

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
+from ._hostclock import HostClock
 from ._record import Peek, Record, Status
 
 
@@ -31,8 +32,16 @@ class CacheBackend(ABC):
     #: keeps its single round trip (its claim statement already returns the holder).
     read_first: bool = False
 
+    #: The host's step-free clock (`_hostclock.this_host()`) for a store that every
+    #: process using it runs on one host (SQLite, the file lock, memory): leases, TTLs
+    #: and approval grants are then judged by it, which no wall-clock step moves, and
+    #: `now()` is only what records show. None for a store shared by hosts (its `now()`
+    #: is the server's clock) and for stores that do not say: judged by `now()` alone.
+    host_clock: HostClock | None = None
+
     def now(self) -> float:
-        """The store's clock in epoch seconds; leases and TTLs are measured against it."""
+        """The store's clock in epoch seconds: the times records show, and what leases and
+        TTLs are judged by where there is no `host_clock`."""
         return time.time()
 
     def now_blocks(self) -> bool:

@@ -5,6 +5,10 @@ renews the leases of the claims this process runs (every `lease_s / 3`), each re
 compare-and-set, so a claim that was taken over is noticed and never renewed again. A
 forked child forgets its parent's claims: renewing them would keep a dead parent's claim
 alive for as long as the child lives.
+
+The keeper keeps its schedule on the ledger's clock (`_policy.Clock`), the one the
+ledger's waits use: a test that moves that clock makes renewals fall due at once, and
+no test waits for one in real time.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from . import _fork
 from ._backend import CacheBackend
 from ._fork import LockedAcrossFork
-from ._policy import _Options
+from ._policy import Clock, _Options
 from ._record import Record, _whoami
 
 log = logging.getLogger("crewai_idempotent")
@@ -51,8 +55,14 @@ class _LeaseKeeper(LockedAcrossFork):
     child lives. The child's own claims start the child's own thread.
     """
 
-    def __init__(self, backend: CacheBackend) -> None:
+    def __init__(self, backend: CacheBackend, clock: Clock | None = None) -> None:
         self._backend = backend
+        self._host = backend.host_clock
+        self._monotonic = time.monotonic if clock is None else clock.monotonic
+        # A clock the test moves must be able to end the keeper's pause: it waits through
+        # the clock when the clock can wait (`Clock.wait`), in real time otherwise.
+        waits = getattr(clock, "wait", None)
+        self._wait = _wait_for_event if waits is None else waits
         self._claims: dict[int, _Claim] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -60,7 +70,7 @@ class _LeaseKeeper(LockedAcrossFork):
         _fork.register(self)
 
     def add(self, claim: _Claim) -> None:
-        claim.due = time.monotonic() + claim.lease_s / 3
+        claim.due = self._monotonic() + claim.lease_s / 3
         with self._lock:
             self._claims[id(claim)] = claim
             if self._thread is None:
@@ -86,14 +96,15 @@ class _LeaseKeeper(LockedAcrossFork):
         self._thread = None
 
     def _loop(self) -> None:
-        idle_since = time.monotonic()
+        monotonic = self._monotonic
+        idle_since = monotonic()
         me = threading.current_thread()
         while True:
             with self._lock:
                 if self._thread is not me:  # a fork() child's copy of the table
                     return
                 claims = list(self._claims.values())
-                now = time.monotonic()
+                now = monotonic()
                 if not claims and now - idle_since > 5.0:
                     self._thread = None
                     return
@@ -101,11 +112,11 @@ class _LeaseKeeper(LockedAcrossFork):
                 idle_since = now
             due = min((c.due for c in claims), default=now + 1.0)
             if due > now:
-                self._wake.wait(min(due - now, 1.0))
+                self._wait(self._wake, min(due - now, 1.0))
                 self._wake.clear()
                 continue
             for claim in claims:
-                if claim.due <= time.monotonic():
+                if claim.due <= monotonic():
                     self._renew(claim)
 
     def _renew(self, claim: _Claim) -> None:
@@ -114,18 +125,34 @@ class _LeaseKeeper(LockedAcrossFork):
                 claim.due = float("inf")
                 return
             current = claim.record
+            # The next renewal is due a third of a lease after the moment this one's
+            # deadline is measured from, not after its write returns: a slow write then
+            # never pushes the schedule back.
+            started = self._monotonic()
             try:
                 now = self._backend.now()
-                new = current.evolve(None, lease_expires_at=now + claim.lease_s, updated_at=now)
+                host = self._host
+                new = current.evolve(
+                    None,
+                    lease_expires_at=now + claim.lease_s,
+                    host_lease=None
+                    if host is None
+                    else (host.boot, host.running() + claim.lease_s),
+                    updated_at=now,
+                )
                 stored = self._backend.replace(current, new)
             except Exception:
                 log.warning("could not renew the lease on %r", current.key, exc_info=True)
-                claim.due = time.monotonic() + min(1.0, claim.lease_s / 10)
+                claim.due = self._monotonic() + min(1.0, claim.lease_s / 10)
                 return
             if stored:
                 claim.record = new
-                claim.due = time.monotonic() + claim.lease_s / 3
+                claim.due = started + claim.lease_s / 3
             else:
                 claim.lost = True
                 claim.due = float("inf")
                 log.warning("lease on %r was taken over by another worker", current.key)
+
+
+def _wait_for_event(event: threading.Event, seconds: float) -> bool:
+    return event.wait(seconds)

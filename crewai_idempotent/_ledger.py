@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -41,6 +42,7 @@ from ._policy import (
     StalePolicy,
     _Options,
     check_durations,
+    check_reconcile_timeout,
     check_seconds,
 )
 from ._reconcile import aask, ask
@@ -88,8 +90,13 @@ class Ledger(_Machine):
     README for the state machine.
 
     `clock` (a `_policy.Clock`) measures this ledger's waits: `wait_s` on a live claim,
-    the pauses between polls and between commit retries. Tests and simulations give one
-    they move; by default `time.monotonic` and `time.sleep`, looked up once, here.
+    the pauses between polls and between commit retries, the lease keeper's schedule, and
+    a sync call's wait for its reconciler. Tests and simulations give one they move; by
+    default `time.monotonic` and `time.sleep`, looked up once, here.
+
+    `reconcile_timeout_s` bounds how long a call waits for its reconciler's answer; past
+    it the answer is `Unknown` (the record turns UNCERTAIN) and a late one is ignored.
+    None waits without bound.
     """
 
     def __init__(
@@ -103,11 +110,13 @@ class Ledger(_Machine):
         listener: Listener | None = None,
         commit_retry_s: float = 10.0,
         clock: Clock | None = None,
+        reconcile_timeout_s: float | None = 30.0,
     ) -> None:
         if not isinstance(backend, CacheBackend):
             raise TypeError(f"backend must be a CacheBackend, not {type(backend).__name__}")
         check_durations(wait_s, lease_s, ttl)
         check_seconds("commit_retry_s", commit_retry_s)
+        self.reconcile_timeout_s = _bound(reconcile_timeout_s)
         self.backend = backend
         self.wait_s = wait_s
         self.lease_s = lease_s
@@ -118,7 +127,10 @@ class Ledger(_Machine):
         self._clock = clock
         self._monotonic = time.monotonic if clock is None else clock.monotonic
         self._sleep = time.sleep if clock is None else clock.sleep
-        self._keeper = _LeaseKeeper(backend)
+        waits = getattr(clock, "wait", None)
+        self._wait: Callable[[threading.Event, float], bool] | None = waits
+        self._host = backend.host_clock
+        self._keeper = _LeaseKeeper(backend, clock)
         self._rooms = _Rooms(clock)
         self._lanes = _Lanes()
 
@@ -151,6 +163,7 @@ class Ledger(_Machine):
         reconcile: Reconciler | None = None,
         on_stale: StalePolicy | None = None,
         wrap_errors: bool = False,
+        reconcile_timeout_s: float | None = _MISSING,
         stage: Stage | None = None,
     ) -> Outcome[T]:
         """Like `run`, but says whether the value was replayed and returns the record.
@@ -164,6 +177,8 @@ class Ledger(_Machine):
         """
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
+        if reconcile_timeout_s is not _MISSING:
+            options.reconcile_timeout_s = _bound(reconcile_timeout_s)
         return self._execute(key, fn, options, stage, wrap_errors)
 
     def _execute(
@@ -237,6 +252,7 @@ class Ledger(_Machine):
         reconcile: Reconciler | None = None,
         on_stale: StalePolicy | None = None,
         wrap_errors: bool = False,
+        reconcile_timeout_s: float | None = _MISSING,
         stage: Stage | None = None,
     ) -> Outcome[T]:
         """Async twin of `execute`. Waiting happens on the event loop; backend calls (the
@@ -244,6 +260,8 @@ class Ledger(_Machine):
         executor."""
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
+        if reconcile_timeout_s is not _MISSING:
+            options.reconcile_timeout_s = _bound(reconcile_timeout_s)
         return await self._aexecute(key, fn, options, stage, wrap_errors)
 
     async def _aexecute(
@@ -369,7 +387,9 @@ class Ledger(_Machine):
 
     def is_stale(self, record: Record) -> bool:
         """True for a PENDING record whose owner stopped renewing its lease."""
-        return record.status is Status.PENDING and not record.lease_live(self.backend.now())
+        return record.status is Status.PENDING and not record.lease_live(
+            self.backend.now(), self._host
+        )
 
     def resolve(
         self,
@@ -399,7 +419,7 @@ class Ledger(_Machine):
         now = self.backend.now()
         for record in self.records():
             keep = record.status in (Status.PENDING, Status.UNCERTAIN) or (
-                expired_only and not record.expired(now)
+                expired_only and not record.expired(now, self._host)
             )
             if not keep and self._drive(self._delete(record)):
                 removed += 1
@@ -435,7 +455,9 @@ class Ledger(_Machine):
             raise ValueError("on_stale='reconcile' needs a reconcile= callable")
         if not isinstance(fingerprint, str):
             raise TypeError("fingerprint must be a str (see crewai_idempotent.fingerprint)")
-        return _Options(fingerprint, args, wait_s, lease_s, ttl, reconcile, policy)
+        return _Options(
+            fingerprint, args, wait_s, lease_s, ttl, reconcile, policy, self.reconcile_timeout_s
+        )
 
     def _call_options(
         self,
@@ -444,11 +466,15 @@ class Ledger(_Machine):
         ttl: float | None,
         reconcile: Reconciler | None,
         on_stale: StalePolicy | None,
+        reconcile_timeout_s: float | None = None,
     ) -> _Options:
         """The options of every call made with these settings, checked once (None: this
         ledger's own); a call fills in its fingerprint and arguments (`_Options.of_call`)."""
         ttl_or_own = _MISSING if ttl is None else ttl
-        return self._options("", None, wait_s, lease_s, ttl_or_own, reconcile, on_stale)
+        options = self._options("", None, wait_s, lease_s, ttl_or_own, reconcile, on_stale)
+        if reconcile_timeout_s is not None:
+            options.reconcile_timeout_s = _bound(reconcile_timeout_s)
+        return options
 
     def _unrecorded(self, claim: _Claim, value: Any) -> Outcome[Any]:
         # The effect happened and its receipt is in hand, so the caller gets it. The record
@@ -511,7 +537,7 @@ class Ledger(_Machine):
                     self._sleep(max(step.seconds, 0.0))
                 else:
                     assert type(step) is _Ask
-                    reply = ask(step.reconcile, step.key, step.args)
+                    reply = ask(step.reconcile, step.key, step.args, step.timeout, self._wait)
         except OutcomeUncertain as uncertain:
             self._name_ledger(uncertain)
             raise
@@ -566,7 +592,7 @@ class Ledger(_Machine):
                         self._clock.sleep(max(step.seconds, 0.0))
                 else:
                     assert type(step) is _Ask
-                    reply = await aask(step.reconcile, step.key, step.args, self._lanes.io)
+                    reply = await aask(step.reconcile, step.key, step.args, step.timeout)
         except OutcomeUncertain as uncertain:
             self._name_ledger(uncertain)
             raise
@@ -621,6 +647,12 @@ def _refusal(exc: BaseException) -> str:
     if isinstance(exc, Exception):
         return f"{type(exc).__name__}: {exc}"
     return f"interrupted by {type(exc).__name__} before the body started"
+
+
+def _bound(reconcile_timeout_s: Any) -> float | None:
+    """A call's `reconcile_timeout_s`, checked; infinity is no bound, as None."""
+    check_reconcile_timeout(reconcile_timeout_s)
+    return None if reconcile_timeout_s == float("inf") else reconcile_timeout_s
 
 
 def _settled(outcome: Outcome[Any], status: Status) -> Record | None:

@@ -32,10 +32,11 @@ from ._errors import (
     OutcomeUncertain,
     ResolutionRefused,
 )
+from ._hostclock import HostClock
 from ._leases import _Claim
 from ._policy import Listener, _Options
-from ._reconcile import Absent, Found, Unknown
-from ._record import Event, Owner, Peek, Record, Status, _label, _this_process
+from ._reconcile import Absent, Found, Unanswered, Unknown
+from ._record import Event, HostDeadline, Owner, Peek, Record, Status, _label, _this_process
 from ._results import decode, encode
 from ._rooms import _UNKNOWN, _Room, _Rooms
 from ._steps import _MISSING, Outcome, Step, _Ask, _Call, _Park, _Sleep
@@ -56,6 +57,9 @@ class _Machine:
     _listeners: list[Listener]
     _rooms: _Rooms
     _monotonic: Callable[[], float]
+    # The host's clock when every process using the store runs on this host (the
+    # backend's `host_clock`): leases and TTLs are judged by it as well as by `now()`.
+    _host: HostClock | None
 
     def _replay(self, peeked: Peek | None, o: _Options) -> Outcome[Any] | None:
         """The replay of a peeked record, if it is a live receipt for these arguments.
@@ -65,7 +69,7 @@ class _Machine:
         with the whole record. The sync driver peeks in the caller's thread and asks this
         before it starts `_acquire`; the async one peeks inside `_acquire`, on a lane.
         """
-        if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now()):
+        if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now(), self._host):
             if self._listeners:
                 self._emit("replay", peeked.record())
             return Outcome(decode(peeked.result), True, peeked)
@@ -134,22 +138,27 @@ class _Machine:
             now = self.backend.now()
             status = held.status if held is not None else None
             if held is not None and status is not Status.PENDING and status is not Status.FAILED:
-                if status is Status.COMMITTED and not held.expired(now):
+                if status is Status.COMMITTED and not held.expired(now, self._host):
                     self._check_fingerprint(held, o)
                     self._emit("replay", held)
                     return Outcome(held.value(), True, held)
                 if status is Status.UNCERTAIN:
                     self._check_fingerprint(held, o)
-                    if o.reconcile is None or held.needs_operator:
+                    # A reconciler that did not answer for another member of this room a
+                    # moment ago is not asked again for the ones who waited for it.
+                    if o.reconcile is None or held.needs_operator or held is room.unanswered:
                         self._emit("uncertain", held)
                         raise OutcomeUncertain(key, held, held.error or "the outcome is unknown")
-            if held is not None and status is Status.PENDING and held.lease_live(now):
+            lease_left = 0.0
+            if held is not None and status is Status.PENDING:
+                lease_left = held.lease_left(now, self._host)
+            if lease_left > 0:
+                assert held is not None
                 self._check_fingerprint(held, o)
                 waited = self._monotonic() - started
                 if waited >= o.wait_s:
                     self._emit("in_progress", held)
                     raise OperationInProgress(key, held, waited)
-                lease_left = (held.lease_expires_at or now) - now
                 if rooms.hold(room, seen):
                     # This member polls for everyone; news from this process (the
                     # owner's commit) ends the pause early and spares the read.
@@ -219,6 +228,7 @@ class _Machine:
         record = Record(
             room.key, Status.PENDING, o.fingerprint, 1, 1, owner, 1, now, now, now + o.lease_s,
             None, None, None, False, (), (Event(now, "claim", 1, label),),
+            self._host_lease(o.lease_s),
         )  # fmt: skip
         try:
             holder = yield _Call(self.backend.insert, record, claims=record)
@@ -245,13 +255,16 @@ class _Machine:
         if status is Status.FAILED:
             return (yield from self._take_over(held, o, "takeover", "previous attempt failed"))
         if status is Status.UNCERTAIN:  # with a reconciler
-            return (yield from self._reconcile(held, o, "uncertain"))
+            return (yield from self._reconcile(room, held, o, "uncertain"))
         # PENDING whose owner stopped renewing the lease
-        lapse = f"lease expired {now - (held.lease_expires_at or now):.1f} s ago"
+        if held.restarted_under(self._host):
+            lapse = "the host restarted since its owner renewed the lease"
+        else:
+            lapse = f"lease expired {-held.lease_left(now, self._host):.1f} s ago"
         if o.on_stale == "retry":
             return (yield from self._take_over(held, o, "takeover", f"{lapse}; on_stale=retry"))
         if o.on_stale == "reconcile":
-            return (yield from self._reconcile(held, o, lapse))
+            return (yield from self._reconcile(room, held, o, lapse))
         yield from self._mark_uncertain(
             held,
             f"its owner {_label(held)} stopped renewing its lease ({lapse}) "
@@ -278,6 +291,16 @@ class _Machine:
         except LedgerUnavailable:
             pass  # still unreachable: a claim that landed lapses and is treated as stale
 
+    def _host_lease(self, lease_s: float) -> HostDeadline | None:
+        """A lease of `lease_s` from now on the host's clock, if the store has one."""
+        host = self._host
+        return None if host is None else (host.boot, host.running() + lease_s)
+
+    def _host_expiry(self, ttl: float | None) -> HostDeadline | None:
+        """A receipt's TTL from now on the host's clock, if the store has one."""
+        host = self._host
+        return None if host is None or not ttl else (host.boot, host.elapsed() + ttl)
+
     def _check_fingerprint(self, held: Record, o: _Options) -> None:
         if held.fingerprint != o.fingerprint:
             self._emit("conflict", held)
@@ -296,6 +319,7 @@ class _Machine:
             attempts=1 if kind == "expire" else held.attempts + 1,
             updated_at=now,
             lease_expires_at=now + o.lease_s,
+            host_lease=self._host_lease(o.lease_s),
             expires_at=None,
             result=None,
             error=None,
@@ -306,7 +330,11 @@ class _Machine:
             return _Claim(new, o)
         return None
 
-    def _mark_uncertain(self, held: Record, reason: str) -> Step[None]:
+    def _mark_uncertain(
+        self, held: Record, reason: str, unanswered: _Room | None = None
+    ) -> Step[None]:
+        """Record UNCERTAIN and raise OutcomeUncertain. `unanswered`: the room whose
+        members waited for a reconciler that did not answer; they get the same answer."""
         now = self.backend.now()
         new = held.evolve(
             Event(now, "uncertain", held.token, _this_process(), reason),
@@ -316,13 +344,17 @@ class _Machine:
             error=reason,
         )
         if (yield _Call(self.backend.replace, held, new)):
+            if unanswered is not None:
+                unanswered.unanswered = new
             self._rooms.publish(new.key, new)
             self._emit("uncertain", new)
             raise OutcomeUncertain(held.key, new, reason)
 
-    def _reconcile(self, held: Record, o: _Options, why: str) -> Step[Outcome[Any] | _Claim | None]:
+    def _reconcile(
+        self, room: _Room, held: Record, o: _Options, why: str
+    ) -> Step[Outcome[Any] | _Claim | None]:
         assert o.reconcile is not None
-        verdict = yield _Ask(o.reconcile, held.key, o.args)
+        verdict = yield _Ask(o.reconcile, held.key, o.args, o.reconcile_timeout_s)
         now = self.backend.now()
         if isinstance(verdict, Found):
             new = held.evolve(
@@ -331,6 +363,7 @@ class _Machine:
                 updated_at=now,
                 lease_expires_at=None,
                 expires_at=now + o.ttl if o.ttl else None,
+                host_expires=self._host_expiry(o.ttl),
                 result=encode(verdict.result),
                 error=None,
             )
@@ -342,7 +375,8 @@ class _Machine:
         if isinstance(verdict, Absent):
             return (yield from self._take_over(held, o, "takeover", f"{why}; reconciler: absent"))
         assert isinstance(verdict, Unknown)
-        yield from self._mark_uncertain(held, f"{why}; {verdict.reason}")
+        unanswered = room if isinstance(verdict, Unanswered) else None
+        yield from self._mark_uncertain(held, f"{why}; {verdict.reason}", unanswered)
         return None
 
     def _finish(
@@ -368,6 +402,7 @@ class _Machine:
                 now,
                 result=payload,
                 expires_at=now + claim.ttl if claim.ttl else None,
+                host_expires=self._host_expiry(claim.ttl),
             )
         else:
             payload = None
@@ -378,6 +413,7 @@ class _Machine:
                 now,
                 error=reason,
                 expires_at=current.expires_at,
+                host_expires=current.host_expires,
             )
         deadline = self._monotonic() + self.commit_retry_s
         delay = 0.05
@@ -510,7 +546,7 @@ class _Machine:
             if held is None:
                 raise ResolutionRefused(f"no record for idempotency key {key!r}")
             now = self.backend.now()
-            stale = held.status is Status.PENDING and not held.lease_live(now)
+            stale = held.status is Status.PENDING and not held.lease_live(now, self._host)
             if held.status is not Status.UNCERTAIN and not stale:
                 raise ResolutionRefused(
                     f"idempotency key {key!r} is {held.status}"
@@ -529,6 +565,7 @@ class _Machine:
                     event, status=Status.COMMITTED, updated_at=now, lease_expires_at=None,
                     result=encode(result), error=None, needs_operator=False,
                     expires_at=now + self.ttl if self.ttl else None,  # as a commit would
+                    host_expires=self._host_expiry(self.ttl),
                 )  # fmt: skip
             if (yield _Call(self.backend.replace, held, new)):
                 self._rooms.publish(new.key, new)

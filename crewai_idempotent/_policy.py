@@ -8,6 +8,7 @@ on, and `_Options`: one call's settings, resolved from the ledger's defaults.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
@@ -23,13 +24,20 @@ Listener = Callable[[str, "Record"], None]
 
 class Clock(Protocol):
     """What the guard's waits are measured on: `wait_s` for a live claim, the pauses
-    between polls and between commit retries. `time.monotonic`/`time.sleep` by default;
-    a test gives a clock it moves, so a wait times out at once. The lease keeper and the
-    store's clock (`CacheBackend.now`) do not use it."""
+    between polls and between commit retries, and the lease keeper's schedule.
+    `time.monotonic`/`time.sleep`/`Event.wait` by default; a test gives a clock it moves,
+    so a wait times out and a renewal falls due at once. Leases and TTLs are judged by
+    the store's clocks (`CacheBackend.now`, `CacheBackend.host_clock`), not by this one.
+
+    `wait(event, seconds)` is the lease keeper's pause: until `event` is set or `seconds`
+    pass on this clock (True if the event was set). A clock without it leaves the keeper
+    waiting in real time."""
 
     def monotonic(self) -> float: ...
 
     def sleep(self, seconds: float) -> None: ...
+
+    def wait(self, event: threading.Event, seconds: float) -> bool: ...
 
 
 def check_seconds(name: str, value: object, *, positive: bool = False) -> None:
@@ -53,6 +61,12 @@ def check_durations(wait_s: object, lease_s: object, ttl: object) -> None:
         check_seconds("ttl", ttl, positive=True)
 
 
+def check_reconcile_timeout(value: object) -> None:
+    """`reconcile_timeout_s`: more than 0 seconds, or None (no bound)."""
+    if value is not None:
+        check_seconds("reconcile_timeout_s", value, positive=True)
+
+
 @dataclass(slots=True)  # not frozen: built on every call, and frozen fields cost a call each
 class _Options:
     fingerprint: str
@@ -62,9 +76,11 @@ class _Options:
     ttl: float | None
     reconcile: Reconciler | None
     on_stale: StalePolicy
+    reconcile_timeout_s: float | None = None  # None: the reconciler is waited for without bound
 
     def of_call(self, fingerprint: str, args: Any) -> _Options:
         """These options for one call: its fingerprint and arguments filled in."""
         return _Options(
-            fingerprint, args, self.wait_s, self.lease_s, self.ttl, self.reconcile, self.on_stale
-        )
+            fingerprint, args, self.wait_s, self.lease_s, self.ttl, self.reconcile,
+            self.on_stale, self.reconcile_timeout_s,
+        )  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Any
 import pydantic_core
 
 from ._errors import LedgerUnavailable
+from ._hostclock import HostClock
 from ._results import decode
 from ._status import Status
 
@@ -95,6 +96,10 @@ class Event:
 
 HISTORY_LIMIT = 200  # bounded so that a key retried forever cannot grow without limit
 
+#: A deadline on the host's clock (`_hostclock`): the boot it was read in, and the
+#: seconds on that boot's clock.
+HostDeadline = tuple[str, float]
+
 
 @dataclass(frozen=True, slots=True, init=False)
 class Record:
@@ -114,6 +119,11 @@ class Record:
     needs_operator: bool = False  # set when two executions may have happened
     evidence: tuple[dict[str, Any], ...] = ()
     history: tuple[Event, ...] = field(default=())
+    # The same deadlines on the host's step-free clock, written by the embedded ledgers
+    # (`CacheBackend.host_clock`) next to the wall-clock ones, which stay what people and
+    # older readers see. `lease_expires_at` on `running()`, `expires_at` on `elapsed()`.
+    host_lease: HostDeadline | None = None
+    host_expires: HostDeadline | None = None
 
     def __init__(
         self,
@@ -133,12 +143,14 @@ class Record:
         needs_operator: bool = False,
         evidence: tuple[dict[str, Any], ...] = (),
         history: tuple[Event, ...] = (),
+        host_lease: HostDeadline | None = None,
+        host_expires: HostDeadline | None = None,
     ) -> None:
         (
             set_key, set_status, set_fingerprint, set_token, set_revision, set_owner,
             set_attempts, set_created_at, set_updated_at, set_lease_expires_at,
             set_expires_at, set_result, set_error, set_needs_operator, set_evidence,
-            set_history,
+            set_history, set_host_lease, set_host_expires,
         ) = _RECORD_SETTERS  # fmt: skip
         set_key(self, key)
         set_status(self, status)
@@ -156,23 +168,82 @@ class Record:
         set_needs_operator(self, needs_operator)
         set_evidence(self, evidence)
         set_history(self, history)
+        set_host_lease(self, host_lease)
+        set_host_expires(self, host_expires)
 
     def value(self) -> Any:
         """The stored result, decoded to what the body returned."""
         return decode(self.result)
 
-    def lease_live(self, now: float) -> bool:
+    def lease_live(self, now: float, host: HostClock | None = None) -> bool:
+        """A PENDING record whose owner still renews its lease, judged at the store's time
+        `now` and, for a lease written on this host's boot, by the host's clock (`host`).
+
+        Raises `LedgerUnavailable` for a live lease another host holds on a ledger that
+        only one host may use (see `lease_left`)."""
         return (
             self.status is Status.PENDING
             and self.lease_expires_at is not None
-            and self.lease_expires_at > now
+            and self.lease_left(now, host) > 0
         )
 
-    def expired(self, now: float) -> bool:
+    def lease_left(self, now: float, host: HostClock | None = None) -> float:
+        """Seconds until the lease lapses; 0 or less once it has.
+
+        A lease with a deadline on the host's clock is judged by that clock when it was
+        read on this boot, so no wall-clock step can make a live lease look lapsed (or a
+        lapsed one live). Without one (a server store, a record an older version wrote,
+        a process with no host clock) it is judged by the wall clock at `now`, as written.
+        A deadline read on another boot cannot be compared: the wall-clock lease decides
+        if it has lapsed; if not, and the owner is this host and wrote it before this boot
+        began, the host restarted under it (lapsed). Anything else is another host
+        renewing it now: a ledger folder shared between hosts, which an embedded store
+        cannot judge, so `LedgerUnavailable` is raised (fail closed).
+        """
+        if self.lease_expires_at is None:
+            return 0.0
+        wall = self.lease_expires_at - now
+        stamp = self.host_lease
+        if stamp is None or host is None:
+            return wall
+        boot, until = stamp
+        if boot == host.boot:
+            return until - host.running()
+        if wall <= 0 or self._written_before_boot(host):
+            return min(wall, 0.0)
+        raise LedgerUnavailable(
+            f"idempotency key {self.key!r} is held by {_label(self)} under a lease read on "
+            f"boot {boot} of its host, and this host ({host.name}) is on boot {host.boot}: "
+            "the ledger is shared between hosts (a network filesystem?), and an embedded "
+            "ledger cannot judge another host's lease. Nothing was run. Use PostgreSQL or "
+            "Redis for workers on several hosts; if the ledger was moved here and that host "
+            "no longer uses it, the record can be resolved once its lease has lapsed "
+            "(docs/backends.md, 'Clocks')"
+        )
+
+    def restarted_under(self, host: HostClock | None) -> bool:
+        """The lease was read on an earlier boot of this host: the owner died with it."""
+        stamp = self.host_lease
+        return (
+            stamp is not None
+            and host is not None
+            and stamp[0] != host.boot
+            and self._written_before_boot(host)
+        )
+
+    def _written_before_boot(self, host: HostClock) -> bool:
+        owner = self.owner
+        return owner is not None and owner.host == host.name and self.updated_at < host.booted_at()
+
+    def expired(self, now: float, host: HostClock | None = None) -> bool:
+        """A COMMITTED receipt whose TTL has passed: by the wall clock (a TTL is a calendar
+        promise) and, on the boot it was written in, by the host's clock as well, so a
+        forward step of the wall clock never expires a receipt early."""
         return (
             self.status is Status.COMMITTED
             and self.expires_at is not None
             and self.expires_at <= now
+            and _passed(self.host_expires, host)
         )
 
     def settled(
@@ -184,23 +255,34 @@ class Record:
         result: Any = None,
         error: str | None = None,
         expires_at: float | None = None,
+        host_expires: HostDeadline | None = None,
     ) -> Record:
         """The owner's own commit or failure of this claim: `evolve` for the hot path.
 
         The next revision, `event` appended, the lease gone; the fields passed replace
-        `result`, `error` and `expires_at`.
+        `result`, `error`, `expires_at` and `host_expires`.
         """
         return Record(
             self.key, status, self.fingerprint, self.token, self.revision + 1, self.owner,
             self.attempts, self.created_at, now, None, expires_at, result, error,
-            self.needs_operator, self.evidence, _appended(self.history, event),
+            self.needs_operator, self.evidence, _appended(self.history, event), None,
+            host_expires,
         )  # fmt: skip
 
     def evolve(self, event: Event | None = None, **changes: Any) -> Record:
-        """A copy with `changes` applied, the next revision, and `event` appended."""
+        """A copy with `changes` applied, the next revision, and `event` appended.
+
+        A deadline on the host's clock goes with the wall-clock one it was written with:
+        changing `lease_expires_at` (or `expires_at`) without giving `host_lease` (or
+        `host_expires`) drops it, so a stale one never outlives its pair.
+        """
         changes.setdefault("revision", self.revision + 1)
         if event is not None:
             changes["history"] = _appended(self.history, event)
+        if "lease_expires_at" in changes and "host_lease" not in changes:
+            changes["host_lease"] = None
+        if "expires_at" in changes and "host_expires" not in changes:
+            changes["host_expires"] = None
         unknown = changes.keys() - _FIELDS
         if unknown:
             raise TypeError(f"Record has no field(s) {sorted(unknown)}")
@@ -222,7 +304,7 @@ class Record:
 
     def _doc(self) -> dict[str, Any]:
         owner = self.owner
-        return {
+        doc: dict[str, Any] = {
             "v": 1,
             "key": self.key,
             "status": self.status.value,
@@ -241,6 +323,13 @@ class Record:
             "evidence": list(self.evidence),
             "history": [[e.at, e.kind, e.token, e.by, e.note] for e in self.history],
         }
+        # New keys, written only when set: a reader of version 1 ignores keys it does not
+        # know, and a writer of it drops them (with the wall-clock deadline they go with).
+        if self.host_lease is not None:
+            doc["host_lease"] = self.host_lease
+        if self.host_expires is not None:
+            doc["host_expires"] = self.host_expires
+        return doc
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Record:
@@ -267,6 +356,8 @@ class Record:
             needs_operator=d["needs_operator"],
             evidence=tuple(d["evidence"]),
             history=tuple(Event(*e) for e in d["history"]),
+            host_lease=_deadline(d.get("host_lease")),
+            host_expires=_deadline(d.get("host_expires")),
         )
 
 
@@ -285,6 +376,26 @@ _OWNER_SETTERS = _setters(Owner)
 _EVENT_SETTERS = _setters(Event)
 _RECORD_SETTERS = _setters(Record)
 _FIELDS = tuple(f.name for f in fields(Record))
+
+
+def _deadline(stored: Any) -> HostDeadline | None:
+    if stored is None:
+        return None
+    boot, at = stored
+    if not isinstance(boot, str) or isinstance(at, bool) or not isinstance(at, int | float):
+        raise ValueError(f"not a host clock deadline: {stored!r}")
+    return (boot, float(at))
+
+
+def _passed(deadline: HostDeadline | None, host: HostClock | None) -> bool:
+    """Whether a deadline on the host's clock has passed, as far as it can tell: one read
+    on another boot (or with no host clock to read) does not hold anything back."""
+    return (
+        deadline is None
+        or host is None
+        or deadline[0] != host.boot
+        or deadline[1] <= (host.elapsed())
+    )
 
 
 def _appended(history: tuple[Event, ...], event: Event) -> tuple[Event, ...]:
@@ -339,13 +450,28 @@ class Peek:
         d = pydantic_core.from_json(text, allow_inf_nan=True)
         return cls(_STATUS[d["status"]], d["fingerprint"], d["expires_at"], d["result"], doc=d)
 
-    def replayable(self, fingerprint: str, now: float) -> bool:
-        """A committed, unexpired receipt for these arguments: replay it as it is."""
+    def replayable(self, fingerprint: str, now: float, host: HostClock | None = None) -> bool:
+        """A committed, unexpired receipt for these arguments: replay it as it is.
+        Expired as `Record.expired` says: the host's clock is read only once the wall
+        clock says the TTL has passed."""
         return (
             self.status is Status.COMMITTED
             and self.fingerprint == fingerprint
-            and (self.expires_at is None or self.expires_at > now)
+            and (
+                self.expires_at is None
+                or self.expires_at > now
+                or not _passed(self._host_expires(), host)
+            )
         )
+
+    def _host_expires(self) -> HostDeadline | None:
+        if self._record is not None:
+            return self._record.host_expires
+        assert self._doc is not None
+        try:
+            return _deadline(self._doc.get("host_expires"))
+        except (ValueError, TypeError) as exc:
+            raise LedgerUnavailable(f"the ledger holds a corrupt record: {exc!r}") from exc
 
     def record(self) -> Record:
         record = self._record

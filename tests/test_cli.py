@@ -125,6 +125,32 @@ def rows(output: str) -> dict[str, str]:
 # -- ls ------------------------------------------------------------------------------------
 
 
+def test_ls_and_show_judge_leases_by_the_host_clock(url: str, ledger: Ledger) -> None:
+    """A lease whose wall-clock deadline passed an hour ago but which the host's clock
+    says is live (its owner's clock was set back) is live; one another host renews (a
+    folder shared between hosts) is shown as such, and never as stale."""
+    host = ledger.backend.host_clock
+    assert host is not None
+    for key, wall_left, lease in (
+        ("order-stepped", -3600.0, (host.boot, host.running() + 600)),
+        ("order-elsewhere", 600.0, ("another-boot", 9e9)),
+    ):
+        planted = _pending(ledger, key, lease_left_s=wall_left)
+        assert ledger.backend.replace(
+            planted,
+            planted.evolve(None, lease_expires_at=planted.lease_expires_at, host_lease=lease),
+        )
+    listed = rows(cli(url, "ls").stdout)
+    assert "stale" not in listed["order-stepped"]
+    assert "lease expires in 10 min" in listed["order-stepped"]
+    assert "PENDING (held on another host)" in listed["order-elsewhere"]
+    assert "shared between hosts" in listed["order-elsewhere"]
+    assert rows(cli(url, "ls", "--stale").stdout) == {}
+    assert "held on another host" in cli(url, "show", "order-elsewhere").stdout
+    data = json.loads(cli(url, "show", "order-stepped", "--json").stdout)
+    assert data["stale"] is False and data["host_lease"][0] == host.boot
+
+
 def test_ls_lists_every_record_with_its_state(url: str, populated: Ledger) -> None:
     result = cli(url, "ls")
     assert result.exit_code == 0, result.output

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,9 @@ from tests.fork_support import (
     charge_keys,
     inspect_until,
     killed_on_exit,
+    renewed,
     run_scenario,
-    stale_within,
+    stale_unwritten,
     wait_for,
 )
 
@@ -133,11 +133,8 @@ def test_owner_killed_after_forking_goes_stale(
     marker = wait_for(tmp_path / "owner.json", timeout=60)
     with killed_on_exit(owner.pid, marker["child"]):
         os.kill(marker["owner"], signal.SIGKILL)
-        killed_at = time.monotonic()
         owner.wait(timeout=30)
-        stale, record = stale_within(url, "held", 2 * lease_s)
-        assert stale, f"the dead owner's claim was still live {2 * lease_s} s later: {record}"
-        assert time.monotonic() - killed_at <= 2 * lease_s + 1.0
+        stale_unwritten(url, "held")  # nobody renewed it after its owner died
         retry = Ledger(backend_from_url(url))
         try:
             with pytest.raises(OutcomeUncertain):
@@ -146,7 +143,7 @@ def test_owner_killed_after_forking_goes_stale(
             retry.close()
         # The worker's own claim is unaffected, after several lease periods of renewals: it
         # finishes and commits once.
-        time.sleep(max(0.0, 2 * lease_s - (time.time() - marker["at"])))
+        renewed(url, "child-own", 6)
         (tmp_path / "release").touch()
         result = wait_for(tmp_path / "child.json", timeout=30)
     assert result.get("value", "").startswith("ch_"), result

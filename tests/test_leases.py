@@ -27,6 +27,7 @@ from crewai_idempotent import (
     Found,
     Ledger,
     LedgerUnavailable,
+    OperationInProgress,
     OutcomeUncertain,
     OutcomeUnknown,
     Record,
@@ -35,6 +36,7 @@ from crewai_idempotent import (
     Status,
     backend_from_url,
 )
+from tests.clock import ClockedBackend, ManualClock
 from tests.faults import launch
 from tests.faults.matrix import LOCAL_URLS
 from tests.faults.provider import Provider
@@ -60,8 +62,10 @@ class World:
         self.ledger = Ledger(backend_from_url(url))
         self.procs: list[launch.Proc] = []
 
-    def spec(self, role: str, key: str, **changes: Any) -> Spec:
+    def spec(self, role: str, key: str, *, started: bool = False, **changes: Any) -> Spec:
         options: dict[str, Any] = {"lease_s": LEASE_S, "wait_s": 30.0, **changes}
+        if started:
+            options["started"] = str(self.tmp / f"{role}.started")
         return Spec(
             ledger=self.url,
             provider=str(self.provider.path),
@@ -71,8 +75,9 @@ class World:
             **options,
         )
 
-    def start(self, role: str, key: str, **changes: Any) -> launch.Proc:
-        proc = launch.start(self.spec(role, key, **changes), "exec", self.tmp / f"{role}.log")
+    def start(self, role: str, key: str, *, started: bool = False, **changes: Any) -> launch.Proc:
+        spec = self.spec(role, key, started=started, **changes)
+        proc = launch.start(spec, "exec", self.tmp / f"{role}.log")
         self.procs.append(proc)
         return proc
 
@@ -80,6 +85,16 @@ class World:
         record = self.ledger.get(key)
         assert record is not None
         return record
+
+    def wait_renewed(self, key: str, after: Record, timeout: float = 30.0) -> Record:
+        """The record once its owner renewed the lease again (its revision grew)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            record = self.record(key)
+            if record.revision > after.revision:
+                return record
+            time.sleep(0.005)
+        raise AssertionError(f"the lease on {key!r} was not renewed within {timeout} s")
 
     def wait_stale(self, key: str, timeout: float = 30.0) -> Record:
         deadline = time.monotonic() + timeout
@@ -140,29 +155,40 @@ def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
 
 def test_long_tool_keeps_its_claim_against_concurrent_workers(world: World) -> None:
     """A body that runs for many lease periods renews its lease; other processes, even with
-    on_stale="retry", see it in progress and never start a second copy."""
+    on_stale="retry", see it in progress and never start a second copy.
+
+    Real processes keep real time, so the test waits for what it needs to see (renewals,
+    counted by the record's revision), never for a length of time."""
     key = "long-tool"
     release = world.tmp / "release-a"
     a = world.start("a", key, pause_at="before_effect", release=str(release))
-    reached = launch.wait_for_marker(a)
+    launch.wait_for_marker(a)
     claimed = world.record(key)
 
-    leases = []
-    for _ in range(6):  # two lease periods in steps: the lease keeps moving ahead
-        time.sleep(LEASE_S / 3)
-        record = world.record(key)
-        assert record.status is Status.PENDING and record.lease_live(world.ledger.backend.now())
-        leases.append(record.lease_expires_at)
-    assert leases == sorted(leases) and leases[-1] > claimed.lease_expires_at + LEASE_S
+    # Seven renewals, each a lease_s/3 after the last by the owner's own stamps: more than
+    # two lease periods, so a lease that was not renewed would have lapsed twice over.
+    leases = [claimed]
+    for _ in range(7):
+        record = world.wait_renewed(key, leases[-1])
+        assert record.status is Status.PENDING and record.token == 1
+        assert not world.ledger.is_stale(record)
+        leases.append(record)
+    expiries = [r.lease_expires_at or 0.0 for r in leases]
+    assert expiries == sorted(expiries)
+    assert leases[-1].updated_at > (claimed.lease_expires_at or 0.0) + LEASE_S
 
     impatient = launch.finish(world.start("b", key, on_stale="retry", wait_s=LEASE_S / 2))
     assert impatient["outcome"] == "error"
     assert impatient["error_type"] == "OperationInProgress"
-    assert impatient["started"] > reached["at"] + 2 * LEASE_S  # a lapsed lease would be stale
-    patient = world.start("c", key, on_stale="retry", wait_s=60.0)
-    time.sleep(2 * LEASE_S)
+    assert impatient["started"] > leases[-1].updated_at  # after the first lease lapsed
+    patient = world.start("c", key, on_stale="retry", wait_s=60.0, started=True)
+    launch.wait_for_file(patient, patient.spec.started)
+    seen = world.record(key)
+    for _ in range(7):  # two more lease periods while it waits
+        seen = world.wait_renewed(key, seen)
     assert patient.poll() is None  # still waiting on the live claim
     assert world.provider.effects() == []
+    assert world.record(key).token == 1
 
     release.touch()
     ran = launch.finish(a)
@@ -174,6 +200,61 @@ def test_long_tool_keeps_its_claim_against_concurrent_workers(world: World) -> N
     record = world.record(key)
     assert record.status is Status.COMMITTED
     assert kinds(record) == ["claim/1", "commit/1"]
+
+
+def test_the_keeper_renews_on_the_ledgers_clock(backend: CacheBackend, provider: Provider) -> None:
+    """The same promise in one process, with time moved instead of waited for: the keeper
+    keeps its schedule on the ledger's clock, so each lease_s/3 the test moves it brings
+    one renewal, and a claim held for three lease periods is never stale. (On real time
+    its first renewal would be 200 s away.)"""
+    clock = ManualClock()
+    store = ClockedBackend(backend, clock)
+    lease_s = 600.0
+    owner = Ledger(store, lease_s=lease_s, clock=clock)
+    inside, leave = threading.Event(), threading.Event()
+
+    def body() -> str:
+        inside.set()
+        assert leave.wait(60)
+        return provider.charge("k")
+
+    worker = threading.Thread(target=owner.run, args=("k", body))
+    worker.start()
+    try:
+        assert inside.wait(30)
+        claimed = backend.get("k")
+        assert claimed is not None
+        seen = claimed
+        for _ in range(9):
+            clock.advance(lease_s / 3)
+            seen = _renewed(backend, seen)
+            assert not owner.is_stale(seen)
+        assert clock.offset > 2 * lease_s and seen.token == 1
+        # Another worker in this process, with on_stale="retry", whose wait_s passes at
+        # once on a clock of its own (on the owner's it would outrun the keeper thread):
+        # it finds the claim live and never takes it over.
+        waiter = Ledger(store, wait_s=2 * lease_s, clock=ManualClock())
+        with pytest.raises(OperationInProgress):
+            waiter.run("k", lambda: provider.charge("k"), on_stale="retry")
+        assert provider.effects() == []
+    finally:
+        leave.set()
+        worker.join(60)
+    record = backend.get("k")
+    assert record is not None and kinds(record) == ["claim/1", "commit/1"]
+    assert len(provider.effects("k")) == 1
+
+
+def _renewed(backend: CacheBackend, after: Record, timeout: float = 30.0) -> Record:
+    """The record once the owner's keeper has written it again (a renewal)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = backend.get(after.key)
+        assert record is not None
+        if record.revision > after.revision:
+            return record
+        time.sleep(0.002)
+    raise AssertionError(f"the lease on {after.key!r} was not renewed within {timeout} s")
 
 
 def test_sigstopped_worker_cannot_commit_over_the_new_owner(world: World) -> None:

@@ -26,6 +26,7 @@ from crewai_idempotent import (
     Status,
     Unknown,
 )
+from tests.clock import FakeHostClock
 
 LEASE_S = 10.0
 KEYS = st.sampled_from(["a", "b", "c"])
@@ -33,12 +34,23 @@ FINGERPRINTS = st.sampled_from(["x", "y"])
 
 
 class ClockMixin:
-    """A store whose clock the test moves, so leases and TTLs expire on demand."""
+    """A store whose clocks the test moves, so leases and TTLs expire on demand: `now()`
+    and the host's clock both read `clock` (records the ledger writes carry deadlines on
+    both; those `worker_dies_after_claiming` plants carry only wall-clock ones, as an
+    older version wrote them)."""
 
     clock = 1_000_000.0
 
     def now(self) -> float:
         return self.clock
+
+    @property
+    def host_clock(self) -> FakeHostClock:
+        return FakeHostClock(lambda: self.clock)
+
+    @host_clock.setter
+    def host_clock(self, _: object) -> None:
+        pass  # the store's own (the real host clock) gives way to the moved one
 
 
 class ClockedMemory(ClockMixin, InMemoryCacheBackend):

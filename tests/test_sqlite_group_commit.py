@@ -519,22 +519,33 @@ def test_a_queued_write_waits_for_the_lock_no_longer_than_its_busy_timeout(
 ) -> None:
     # Queued behind a write stuck on the lock, a member must not then wait a busy timeout
     # of its own: the fork gate and close() wait for it the busy timeout plus one second.
+    # What is checked is the wait SQLite is told to allow the batch (the busy timeout it
+    # runs under), not how long it took: a loaded machine stretches the latter.
     path = tmp_path / "ledger.db"
     timeout = 2.0
     backend = SQLiteCacheBackend(path, busy_timeout_s=timeout)
     backend.get("warm-up")
+    statements: list[str] = []
 
-    def call(key: str) -> tuple[float, str]:
-        arrived = time.monotonic()
+    def call(key: str) -> str:
+        # This thread's connection is made before the write queues: trace what it runs.
+        backend._ready("claim_conn" if backend._lazy else "conn").set_trace_callback(
+            statements.append
+        )
         with pytest.raises(LedgerUnavailable) as failed:
             backend.insert(_claim(key))
-        return time.monotonic() - arrived, str(failed.value)
+        return str(failed.value)
 
     with _write_lock(path):  # held throughout: every write gives up
         results = _one_batch(backend, [lambda k=k: call(k) for k in "abc"], then=lambda: None)
-    for waited, message in results:
+    for message in results:
         assert "locked past the busy timeout" in message
-        assert waited < timeout + 0.9  # alone it would be about twice the timeout
+    # The batch ran under what was left of its members' own timeouts, counted from when
+    # they arrived (already spent behind the write they queued behind), then put back:
+    # alone it would have waited a whole timeout more.
+    busy = [int(s.split("=")[1]) for s in statements if s.startswith("PRAGMA busy_timeout")]
+    full = int(timeout * 1000)
+    assert len(busy) == 2 and busy[0] < full and busy[1] == full, statements
     # The batch's shortened wait was put back.
     assert {c.execute("PRAGMA busy_timeout").fetchone()[0] for c in backend._connections} == {
         int(timeout * 1000)
@@ -577,10 +588,9 @@ def test_fork_while_a_write_outlives_the_wait_gives_the_child_a_fresh_group(
     def in_the_child() -> Any:
         fresh = backend._group
         assert fresh is not None
-        began = time.monotonic()
         with pytest.raises(LedgerUnavailable, match="still running in the parent"):
             ledger.run("in-child", lambda: "ran")
-        return {"busy": fresh._busy, "queued": len(fresh._queue), "s": time.monotonic() - began}
+        return {"busy": fresh._busy, "queued": len(fresh._queue)}
 
     try:
         reply = in_child(in_the_child)
@@ -590,7 +600,7 @@ def test_fork_while_a_write_outlives_the_wait_gives_the_child_a_fresh_group(
         for member in members:
             member.join(30)
     assert reply.get("value", {}).get("busy") is False, reply
-    assert reply["value"]["queued"] == 0 and reply["value"]["s"] < 5
+    assert reply["value"]["queued"] == 0  # a fresh group: it refused at once, never queued
     assert results == dict.fromkeys(keys)  # the parent's batch committed every member
     assert ledger.run("after", lambda: "ok") == "ok"
     backend.close()

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ._url import backend_from_url
     from .filelock import FileLockCacheBackend
     from .memory import InMemoryCacheBackend
-    from .postgres import PostgresCacheBackend
+    from .postgres import PostgresCacheBackend, PostgresDurabilityWarning
     from .redis import RedisCacheBackend, RedisDurabilityWarning
     from .sqlite import SQLiteCacheBackend
 
@@ -33,6 +33,7 @@ _WHERE = {
     "FileLockCacheBackend": ".filelock",
     "InMemoryCacheBackend": ".memory",
     "PostgresCacheBackend": ".postgres",
+    "PostgresDurabilityWarning": ".postgres",
     "RedisCacheBackend": ".redis",
     "RedisDurabilityWarning": ".redis",
     "SQLiteCacheBackend": ".sqlite",
@@ -47,6 +48,7 @@ __all__ = [
     "FileLockCacheBackend",
     "InMemoryCacheBackend",
     "PostgresCacheBackend",
+    "PostgresDurabilityWarning",
     "RedisCacheBackend",
     "RedisDurabilityWarning",
     "SQLiteCacheBackend",

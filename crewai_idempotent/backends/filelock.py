@@ -42,6 +42,7 @@ from urllib.parse import quote, unquote, urlsplit
 from .. import _fork
 from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
+from .._hostclock import this_host
 from .._record import Peek, Record, Status
 from ._options import configuration_errors, flag, local_options, with_options
 from ._paths import check_trusted, private_folder
@@ -71,6 +72,8 @@ class FileLockCacheBackend(CacheBackend):
         )
         self.fsync = fsync
         self.lock_timeout_s = lock_timeout_s
+        # Every process that opens it runs on this host: leases go by the host's clock.
+        self.host_clock = this_host()
         self.allow_insecure_path = allow_insecure_path
         self._records = self.directory / "records"
         self._locks = self.directory / "locks"

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError
+from .._hostclock import this_host
 from .._record import Peek, Record, Status
 from ._options import local_options
 
@@ -21,6 +22,7 @@ class InMemoryCacheBackend(CacheBackend):
     def __init__(self) -> None:
         self._records: dict[str, Record] = {}
         self._lock = threading.Lock()
+        self.host_clock = this_host()  # one process: the host's clock, as SQLite
 
     @classmethod
     def from_url(cls, url: str) -> Self:

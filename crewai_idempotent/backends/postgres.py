@@ -17,6 +17,13 @@ local monotonic clock forward from that reading. A claim costs no extra round tr
 the time, and a host whose wall clock is wrong (or jumps) cannot expire another host's
 lease early: all hosts measure against the same server.
 
+How durable an acknowledged claim is depends on the server's settings: `fsync`,
+`synchronous_commit` (as the server reports it for this backend's own sessions, so a role's
+or a database's setting counts), `full_page_writes`, and, where standbys stream from the
+server, `synchronous_standby_names`. The first use reads them and warns
+(`PostgresDurabilityWarning`) if one of them can lose an acknowledged claim, whose body
+would then run again; `doctor` reports the same (`durability_problems`).
+
 The class is long because a connection's life is one story told in one place: the pool,
 the direct bridge beside it while the pool reconnects, what fork() leaves of them, the
 deadline of each call and the one resend after a lost connection.
@@ -29,6 +36,7 @@ import math
 import select
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Self, TypeVar
 from urllib.parse import urlunsplit
@@ -50,7 +58,7 @@ from .._backend import CacheBackend
 from .._errors import LedgerUnavailable
 from .._record import Record, Status
 from ._clock import ServerClock
-from ._options import configuration_errors, redact, split_server_options, with_options
+from ._options import configuration_errors, flag, redact, split_server_options, with_options
 from ._postgres_deadline import GRACE_S, Budget, Connecting, watchdog
 from ._postgres_schema import (
     DEFAULT_TABLE,
@@ -63,6 +71,19 @@ from ._postgres_schema import (
 log = logging.getLogger("crewai_idempotent")
 
 T = TypeVar("T")
+
+
+class PostgresDurabilityWarning(UserWarning):
+    """The PostgreSQL server may lose a commit it acknowledged (see docs/backends.md)."""
+
+
+# The settings that decide whether an acknowledged commit survives, as this session sees
+# them, and how many standbys stream from the server (a failover target).
+_DURABILITY = (
+    "SELECT current_setting('fsync'), current_setting('synchronous_commit'), "
+    "current_setting('full_page_writes'), current_setting('synchronous_standby_names'), "
+    "(SELECT count(*) FROM pg_stat_replication)"
+)
 
 
 class PostgresCacheBackend(CacheBackend):
@@ -88,6 +109,9 @@ class PostgresCacheBackend(CacheBackend):
     client, which then drops the connection. A resend after a lost connection runs in
     what is left. Any of them running out raises `LedgerUnavailable`, so a guarded body
     never runs unclaimed.
+
+    With `check_durability` (the default) the first use reads the server's durability
+    settings and warns (`PostgresDurabilityWarning`) if one can lose an acknowledged claim.
     """
 
     def __init__(
@@ -102,6 +126,7 @@ class PostgresCacheBackend(CacheBackend):
         connect_timeout_s: float = 5.0,
         statement_timeout_s: float = 10.0,
         clock_refresh_s: float = 60.0,
+        check_durability: bool = True,
     ) -> None:
         for name, value in (
             ("timeout_s", timeout_s),
@@ -136,6 +161,9 @@ class PostgresCacheBackend(CacheBackend):
                 f"ConnectionPool, not {type(dsn_or_pool).__name__}"
             )
         self.where = _describe(self._conninfo)
+        # Once per backend, not per process: a forked child's server is its parent's.
+        self.check_durability = check_durability
+        self._durability_checked = not check_durability
         self._clock = ServerClock("PostgreSQL", self._read_clock, clock_refresh_s)
         self._closed = False
         self._reset_process_state()
@@ -460,6 +488,35 @@ class PostgresCacheBackend(CacheBackend):
                 check_version(row[0] if row else 0, sql, self.where)
                 migrate(conn, sql, self.where)
             self._schema_ready = True
+            if not self._durability_checked:
+                self._durability_checked = True
+                self._warn_if_not_durable(conn)
+
+    # -- durability --------------------------------------------------------------------
+
+    def durability(self) -> dict[str, str]:
+        """The server's durability settings as this backend's sessions see them:
+        `fsync`, `synchronous_commit`, `full_page_writes`, `synchronous_standby_names`,
+        and `standbys` (how many stream from it now). See `durability_problems`."""
+        return self._call(
+            "reading its durability settings",
+            lambda conn, _resent: _read_durability(conn),
+            retry=True,
+        )
+
+    def _warn_if_not_durable(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            settings = _read_durability(conn)
+        except psycopg.Error as exc:
+            log.info("cannot read the durability settings of PostgreSQL at %s (%s)",
+                     self.where, _one_line(exc))  # fmt: skip
+            if not conn.autocommit:
+                conn.rollback()
+            return
+        for setting, risk in durability_problems(settings):
+            message = f"PostgreSQL at {self.where}: {setting}: {risk}"
+            log.warning("%s", message)
+            warnings.warn(message, PostgresDurabilityWarning, stacklevel=2)
 
     # -- clock -------------------------------------------------------------------------
 
@@ -590,6 +647,67 @@ class PostgresCacheBackend(CacheBackend):
         conn.close()
 
 
+def _read_durability(conn: psycopg.Connection[Any]) -> dict[str, str]:
+    row = conn.execute(_DURABILITY).fetchone()
+    assert row is not None
+    fsync, synchronous_commit, full_page_writes, standby_names, standbys = row
+    return {
+        "fsync": str(fsync),
+        "synchronous_commit": str(synchronous_commit),
+        "full_page_writes": str(full_page_writes),
+        "synchronous_standby_names": str(standby_names),
+        "standbys": str(standbys),
+    }
+
+
+def durability_problems(settings: dict[str, str]) -> list[tuple[str, str]]:
+    """Each setting (as `name=value`) that can lose a commit the server acknowledged, with
+    what it risks: a claim lost after its body started lets the body run again."""
+    found: list[tuple[str, str]] = []
+    on = {"on", "true", "yes", "1"}
+    if settings.get("fsync", "on").lower() not in on:
+        found.append((
+            "fsync=off",
+            "the server never forces its writes to disk: an operating-system crash or a "
+            "power loss can lose or corrupt acknowledged claims and receipts, and those "
+            "tools then run again. Set fsync=on",
+        ))  # fmt: skip
+    commit = settings.get("synchronous_commit", "on").lower()
+    if commit == "off":
+        found.append((
+            "synchronous_commit=off",
+            "commits are acknowledged before they reach the disk: a crash of the server "
+            "loses the last acknowledged claims (up to three times wal_writer_delay), and "
+            "those tools then run again. Set it on for the ledger's role or database "
+            "(ALTER ROLE ... SET synchronous_commit = on)",
+        ))  # fmt: skip
+    if settings.get("full_page_writes", "on").lower() not in on:
+        found.append((
+            "full_page_writes=off",
+            "an operating-system crash in the middle of a page write can leave the ledger "
+            "table torn beyond what the WAL can repair, losing acknowledged claims, and "
+            "those tools then run again. Leave it on unless the filesystem guarantees "
+            "atomic page writes",
+        ))  # fmt: skip
+    standbys = int(settings.get("standbys", "0") or 0)
+    names = settings.get("synchronous_standby_names", "").strip()
+    if standbys and not names:
+        found.append((
+            "synchronous_standby_names=''",
+            f"{standbys} standby server(s) replicate from this one asynchronously: a "
+            "failover to one can lose claims the primary acknowledged, and those tools "
+            "then run again. Name them in synchronous_standby_names (or accept the risk "
+            "of a failover)",
+        ))  # fmt: skip
+    elif standbys and names and commit == "local":
+        found.append((
+            "synchronous_commit=local",
+            f"commits do not wait for the synchronous standbys ({names}): a failover can "
+            "lose acknowledged claims. Use on or remote_apply for the ledger's role",
+        ))  # fmt: skip
+    return found
+
+
 def _alive(conn: psycopg.Connection[Any]) -> bool:
     """Whether an idle connection is still open, without a round trip.
 
@@ -647,6 +765,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "connect_timeout_s": float,
     "statement_timeout_s": float,
     "clock_refresh_s": float,
+    "check_durability": flag,
 }
 _REFUSED = {
     "connect_timeout": "use connect_timeout_s (seconds), which bounds the ledger's own wait too",

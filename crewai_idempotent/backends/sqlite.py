@@ -27,6 +27,7 @@ from .. import _fork
 from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._fork import unforked
+from .._hostclock import this_host
 from .._record import Peek, Record, Status
 from ._options import flag, local_options, seconds, with_options
 from ._paths import check_existing_file, private_file
@@ -110,6 +111,8 @@ class SQLiteCacheBackend(CacheBackend):
         # NORMAL syncs nothing when a write commits: nothing to share.
         self._group = None if synchronous == "NORMAL" else Group(busy_timeout_s)
         self.busy_timeout_s = busy_timeout_s
+        # Every process that opens it runs on this host: leases go by the host's clock.
+        self.host_clock = this_host()
         self.allow_insecure_path = allow_insecure_path
         self.path, st = private_file(Path(path), allow_insecure_path, create_parents=create_parents)
         self._identity = (st.st_dev, st.st_ino)

@@ -206,11 +206,7 @@ def _durability_facts(backend: Any, out: _Report) -> None:
     elif kind == "RedisCacheBackend":
         _redis_durability(backend, out)
     elif kind == "PostgresCacheBackend":
-        out.fact(
-            "durability",
-            "PostgreSQL commits are durable with the server's fsync=on and "
-            "synchronous_commit=on (its defaults)",
-        )
+        _postgres_durability(backend, out)
     elif kind == "InMemoryCacheBackend":
         out.problem("durability", "in memory: not durable, not shared (tests only)")
 
@@ -233,6 +229,30 @@ def _redis_durability(backend: Any, out: _Report) -> None:
         out.problem("durability", f"{settings}: {problem}")
     else:
         out.fact("durability", settings)
+
+
+def _postgres_durability(backend: Any, out: _Report) -> None:
+    # Late, as for Redis: the module imports psycopg.
+    from ..backends.postgres import durability_problems
+
+    try:
+        settings = backend.durability()
+    except Exception as exc:  # noqa: BLE001 - reported, as any failure to read
+        out.problem("durability", f"cannot read the server's settings: {exc}")
+        return
+    standbys = int(settings["standbys"])
+    shown = [f"{name}={settings[name]}" for name in ("fsync", "synchronous_commit")]
+    shown.append(f"full_page_writes={settings['full_page_writes']}")
+    if standbys:
+        names = settings["synchronous_standby_names"]
+        shown.append(f"{standbys} standby(s), synchronous_standby_names={names!r}")
+    problems = durability_problems(settings)
+    if not problems:
+        out.fact("durability", ", ".join(shown) + ": acknowledged commits survive a crash")
+        return
+    out.fact("durability", ", ".join(shown))
+    for setting, risk in problems:
+        out.problem("durability", f"{setting}: {risk}")
 
 
 def _crewai_facts(out: _Report) -> None:

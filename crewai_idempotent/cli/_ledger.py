@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from .. import Ledger, Record, Status
+from .. import Ledger, LedgerUnavailable, Record, Status
 from .._approvals import KIND as APPROVALS
 from .._gatestore import PREFIX, is_document
 from .._results import describe, unrestorable
@@ -31,14 +31,34 @@ from ._where import Where
 _STATUSES = ("pending", "committed", "failed", "uncertain")
 
 
-def _state(record: Record, now: float) -> str:
+def _lease_left(ledger: Ledger, record: Record, now: float) -> float | None:
+    """Seconds left on a PENDING record's lease, by the clock the ledger judges it with
+    (the host's, on an embedded ledger); None for a live lease another host holds, which
+    this host cannot judge (a ledger folder shared between hosts)."""
+    try:
+        return record.lease_left(now, ledger.backend.host_clock)
+    except LedgerUnavailable:
+        return None
+
+
+def _state(ledger: Ledger, record: Record, now: float) -> str:
     """The status as an operator needs to read it."""
     status = record.status.value
-    if record.status.value == "PENDING":
-        return status if record.lease_live(now) else f"{status} (stale)"
+    if record.status is Status.PENDING:
+        left = _lease_left(ledger, record, now)
+        if left is None:
+            return f"{status} (held on another host)"
+        return status if left > 0 else f"{status} (stale)"
     if record.needs_operator:
         return f"{status} (needs operator)"
     return status
+
+
+def _stale(ledger: Ledger, record: Record, now: float) -> bool:
+    if record.status is not Status.PENDING:
+        return False
+    left = _lease_left(ledger, record, now)
+    return left is not None and left <= 0
 
 
 def _filters(function: Any) -> Any:
@@ -81,7 +101,7 @@ def _select(where: Where, filters: dict[str, Any]) -> tuple[Ledger, list[Record]
         records = ledger.records(wanted)
         now = ledger.backend.now()
         if stale:
-            records = [r for r in records if ledger.is_stale(r)]
+            records = [r for r in records if _stale(ledger, r, now)]
     if filters["needs_operator"]:
         records = [r for r in records if r.needs_operator]
     for prefix in prefixes:
@@ -102,7 +122,7 @@ def list_records(where: Where, as_json: bool, **filters: Any) -> None:
     ledger, records, now = _select(where, filters)
     if as_json:
         click.echo(
-            machine([json.loads(r.to_json()) | {"stale": ledger.is_stale(r)} for r in records])
+            machine([json.loads(r.to_json()) | {"stale": _stale(ledger, r, now)} for r in records])
         )
         return
 
@@ -113,11 +133,14 @@ def list_records(where: Where, as_json: bool, **filters: Any) -> None:
     for record in records:
         note = record.error or ""
         if record.status is Status.PENDING:
-            verb = "expires" if record.lease_live(now) else "expired"
-            note = f"lease {verb} {ago(now - (record.lease_expires_at or now))}"
+            left = _lease_left(ledger, record, now)
+            if left is None:
+                note = "lease renewed by another host: this ledger is shared between hosts"
+            else:
+                note = f"lease {'expires' if left > 0 else 'expired'} {ago(-left)}"
         owner = record.owner.label if record.owner else "-"
         age = ago(now - record.updated_at)
-        fields = (record.key, _state(record, now), str(record.token), owner, age, note)
+        fields = (record.key, _state(ledger, record, now), str(record.token), owner, age, note)
         rows.append([safe(field, lines=False) for field in fields])
     # One line per record, every column whole except the note, which is cut to the terminal.
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
@@ -163,7 +186,7 @@ def show(where: Where, key: str, as_json: bool) -> None:
     if record is None:
         raise click.ClickException(safe(f"no record for idempotency key {key!r} in {where.label}"))
     if as_json:
-        click.echo(machine(json.loads(record.to_json()) | {"stale": ledger.is_stale(record)}))
+        click.echo(machine(json.loads(record.to_json()) | {"stale": _stale(ledger, record, now)}))
         return
 
     # rich's tables cost start-up time that the other commands need not pay.
@@ -175,7 +198,7 @@ def show(where: Where, key: str, as_json: bool) -> None:
     facts.add_column(overflow="fold")
     rows: list[tuple[str, str]] = [
         ("key", safe(record.key, lines=False)),
-        ("status", _state(record, now)),
+        ("status", _state(ledger, record, now)),
         ("token", str(record.token)),
         ("revision", str(record.revision)),
         ("attempts", str(record.attempts)),
@@ -185,7 +208,12 @@ def show(where: Where, key: str, as_json: bool) -> None:
         ("updated", when(record.updated_at, now)),
     ]
     if record.lease_expires_at is not None:
-        rows.append(("lease expires", when(record.lease_expires_at, now)))
+        # The wall-clock time people read; "in"/"ago" by the clock the lease is judged by.
+        left = _lease_left(ledger, record, now) if record.status is Status.PENDING else None
+        lease = when(record.lease_expires_at, now)
+        if left is not None:
+            lease = f"{stamp(record.lease_expires_at)} ({ago(-left)})"
+        rows.append(("lease expires", lease))
     if record.expires_at is not None:
         rows.append(("receipt expires", when(record.expires_at, now)))
     if record.error:

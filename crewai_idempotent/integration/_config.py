@@ -169,7 +169,8 @@ class IdempotencyConfig:
     - `on_uncertain`: "raise" (default) stops the kickoff with `OutcomeUncertain`;
       "report" hands it to the agent as a tool error instead.
     - `idempotency_key`: the key template (or callable) for tools that set none.
-    - `wait_s`, `lease_s`, `ttl`, `on_stale`: as on the tool and on `Ledger`.
+    - `wait_s`, `lease_s`, `ttl`, `on_stale`, `reconcile_timeout_s`: as on the tool and
+      on `Ledger`.
     - `check_reachable`: whether a PostgreSQL or Redis `backend` must answer here, within
       its connect timeout (`LedgerUnavailable` if not). None: yes, unless
       CREWAI_IDEMPOTENCY_CHECK_REACHABLE=0; False for a process that starts before its
@@ -183,6 +184,7 @@ class IdempotencyConfig:
     lease_s: float | None = None
     ttl: float | None = None
     on_stale: StalePolicy | None = None
+    reconcile_timeout_s: float | None = None
     # Approval gates and spend caps (checked below, used by _gates.py): by tool name.
     approval: Mapping[str, bool | Callable[[dict[str, Any], Any], bool]] | None = None
     spend: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None
@@ -212,6 +214,7 @@ class IdempotencyConfig:
         _check_seconds("lease_s", self.lease_s, positive=True)
         _check_seconds("ttl", self.ttl, positive=True)
         _check_on_stale(self.on_stale)
+        _check_seconds("reconcile_timeout_s", self.reconcile_timeout_s, positive=True)
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,7 @@ class ToolOptions:
     ttl: float | None = None
     reconcile: Reconciler | None = None
     on_stale: StalePolicy | None = None
+    reconcile_timeout_s: float | None = None
     fingerprint: Fingerprinter | None = None
     # Approval gates and spend caps (see _gates.py and docs/approvals.md).
     approval: bool | Callable[[dict[str, Any], Any], bool] | None = None
@@ -247,6 +251,7 @@ class ToolOptions:
         if self.reconcile is not None and not callable(self.reconcile):
             raise TypeError("reconcile must be a callable (key, args) -> Found | Absent | Unknown")
         _check_on_stale(self.on_stale)
+        _check_seconds("reconcile_timeout_s", self.reconcile_timeout_s, positive=True)
         if self.fingerprint is not None and not callable(self.fingerprint):
             raise TypeError(
                 "fingerprint must be a callable (args) -> JSON-able data, "
@@ -489,7 +494,12 @@ def _resolve(
     announce(source, backend)
     ledger = ledger_for(backend)
     options = ledger._call_options(
-        pick("wait_s"), pick("lease_s"), pick("ttl"), tool.reconcile, pick("on_stale")
+        pick("wait_s"),
+        pick("lease_s"),
+        pick("ttl"),
+        tool.reconcile,
+        pick("on_stale"),
+        pick("reconcile_timeout_s"),
     )
     settings = Settings(
         ledger=ledger,

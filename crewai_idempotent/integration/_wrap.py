@@ -28,6 +28,7 @@ def idempotent(
     reconcile: Callable[[str, Any], Any] | None = None,
     on_stale: str | None = None,
     fingerprint: Callable[[dict[str, Any]], Any] | None = None,
+    reconcile_timeout_s: float | None = None,
     **gates: Any,
 ) -> BaseTool:
     """A guarded copy of `tool` (a crewai_tools or MCP tool, or any BaseTool).
@@ -53,6 +54,7 @@ def idempotent(
         ttl=ttl,
         reconcile=reconcile,
         on_stale=on_stale,  # type: ignore[arg-type]
+        reconcile_timeout_s=reconcile_timeout_s,
         fingerprint=fingerprint,
         **gates,
     )

@@ -2,7 +2,9 @@
 
 Two ways to start a worker, both real OS processes that die by a real SIGKILL:
 
-* ``exec``: ``python -m tests.faults.worker …`` through `subprocess`, as a user would;
+* ``exec``: ``python -m tests.faults.worker …`` through `subprocess`, as a user would
+  (optionally under a wrapper command: ``faketime`` to step its wall clock, ``unshare``
+  to put it in a time namespace of its own);
 * ``fork``: a child of a `multiprocessing` fork server that imported the worker once.
   Every child is a fresh process with its own ledger connection and lease keeper (nothing
   ledger-related exists in the server before the fork); only the interpreter start-up and
@@ -44,23 +46,36 @@ _mp_lock = threading.Lock()
 class Proc:
     """A started worker: its pid, its log, and a uniform wait/kill over both launchers."""
 
-    def __init__(self, spec: Spec, how: str, log: Path) -> None:
+    def __init__(
+        self,
+        spec: Spec,
+        how: str,
+        log: Path,
+        wrap: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.spec = spec
         self.how = how
         self.log = log
+        # A wrapper (faketime, unshare) runs the worker as its child: signals go to the
+        # process group, and `pid` is the wrapper's (the worker's own is in its report).
+        self._group = bool(wrap)
         self._popen: subprocess.Popen[bytes] | None = None
         self._process: Any = None
         if how == "exec":
             with open(log, "ab") as out:
                 self._popen = subprocess.Popen(
-                    [sys.executable, "-m", "tests.faults.worker", *spec.argv()],
+                    [*wrap, sys.executable, "-m", "tests.faults.worker", *spec.argv()],
                     cwd=ROOT,
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                    start_new_session=self._group,
                 )
             self.pid = self._popen.pid
         elif how == "fork":
+            if wrap or env:
+                raise ValueError("a wrapper command or environment needs the exec launcher")
             self._process = _forkserver.Process(target=child, args=(spec, str(log)), daemon=False)
             with _mp_lock:
                 self._process.start()
@@ -90,7 +105,10 @@ class Proc:
 
     def signal(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):  # it already exited
-            os.kill(self.pid, signum)
+            if self._group:
+                os.killpg(self.pid, signum)
+            else:
+                os.kill(self.pid, signum)
 
     def kill(self) -> int:
         """SIGKILL and reap; returns the exit code."""
@@ -104,8 +122,16 @@ class Proc:
             return ""
 
 
-def start(spec: Spec, how: str, log: Path) -> Proc:
-    return Proc(spec, how, log)
+def start(
+    spec: Spec,
+    how: str,
+    log: Path,
+    *,
+    wrap: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Proc:
+    """A worker running `spec`; with `exec`, under the command `wrap` and with `env` added."""
+    return Proc(spec, how, log, wrap, env)
 
 
 def wait_for_marker(proc: Proc, timeout: float = 60.0) -> dict[str, Any]:
@@ -124,6 +150,21 @@ def wait_for_marker(proc: Proc, timeout: float = 60.0) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise AssertionError(f"worker {proc.pid} did not reach its point in {timeout} s")
         time.sleep(0.005)
+
+
+def wait_for_file(proc: Proc, path: str | None, timeout: float = 60.0) -> dict[str, Any]:
+    """Wait until the worker wrote `path` (e.g. its `started` file); fail if it exited."""
+    assert path, "this worker writes no such file"
+    written = Path(path)
+    deadline = time.monotonic() + timeout
+    while not written.exists():
+        code = proc.poll()
+        if code is not None:
+            raise AssertionError(f"worker {proc.pid} exited ({code}) early:\n{proc.log_tail()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker {proc.pid} did not write {path} in {timeout} s")
+        time.sleep(0.005)
+    return json.loads(written.read_text("utf-8"))  # type: ignore[no-any-return]
 
 
 def wait_stopped(pid: int, timeout: float = 10.0) -> None:

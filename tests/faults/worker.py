@@ -14,7 +14,8 @@ At ``--pause-at`` the worker writes ``--marker`` (atomically) and blocks: foreve
 the ``--release`` file exists. Ledger listeners run synchronously in the worker's thread, so
 blocking in one stops the worker exactly between two ledger steps; the lease keeper thread
 keeps running, as it would in a real slow worker. ``--signal-at`` writes the marker and
-carries on. The outcome is written as JSON to ``--report`` (and printed).
+carries on. ``--started FILE`` is written just before the guarded call begins (a waiter
+is about to ask the ledger). The outcome is written as JSON to ``--report`` (and printed).
 
 With ``--plan FILE`` the worker runs many keys at once, each in its own thread and each
 stopping at its own point (see `run_plan`): a process that dies with many calls in flight.
@@ -69,6 +70,7 @@ class Spec:
     work_s: float = 0.0
     amount: int = 100
     plan: str | None = None  # a JSON file: many keys at once (`run_plan`)
+    started: str | None = None  # written just before the guarded call begins
 
     def argv(self) -> list[str]:
         args: list[str] = []
@@ -218,6 +220,8 @@ def _call(
         return receipt
 
     report: dict[str, Any] = {"key": key, "pid": os.getpid(), "started": time.time()}
+    if spec.started:
+        _write_atomically(Path(spec.started), json.dumps(report))
     try:
         outcome = ledger.execute(
             key,
@@ -295,10 +299,27 @@ def _parse(argv: list[str] | None) -> Spec:
     parser.add_argument("--work-s", type=float, default=0.0)
     parser.add_argument("--amount", type=int, default=100)
     parser.add_argument("--plan", help="a JSON file of keys to run at once (see run_plan)")
+    parser.add_argument("--started", help="a file written just before the guarded call")
     return Spec(**vars(parser.parse_args(argv)))
 
 
+def _sleep_where_faketime_cannot() -> None:
+    """Under libfaketime with FAKETIME_DONT_FAKE_MONOTONIC (tests/test_clock_steps.py),
+    Debian's 0.9.10 breaks `clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME)`, which is
+    Python 3.11's `time.sleep`: it raises EINVAL (wolfcw/libfaketime#426). A real clock
+    step does no such thing, so such a worker sleeps on an Event, which waits on the same
+    monotonic clock through a call libfaketime leaves alone."""
+    if "FAKETIME" not in os.environ:
+        return
+    try:
+        time.sleep(0)
+        time.sleep(0.0001)
+    except OSError:
+        time.sleep = lambda seconds: threading.Event().wait(max(seconds, 0.0)) and None
+
+
 def main(argv: list[str] | None = None) -> int:
+    _sleep_where_faketime_cannot()
     report = run(_parse(argv))
     print(json.dumps(report), flush=True)
     return 0
