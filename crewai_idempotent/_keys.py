@@ -213,6 +213,8 @@ def _plain(value: Any) -> Any:
             kind = type(item)
             if kind is str or kind is bool or item is None:
                 continue
+            if kind is int and -_SAFE_INT <= item <= _SAFE_INT:
+                continue
             plain = _plain(item)
             if plain is not item and changed is None:
                 changed = dict(value)

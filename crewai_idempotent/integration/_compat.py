@@ -123,32 +123,34 @@ def bus_listens(event_type: type) -> bool:
     (crewai >= 1.15). Built only then, since a guarded replay would otherwise spend most
     of its time building an event nobody reads. Anything unexpected says yes."""
     try:
-        bus = _bus()
+        bus = _bus or _load_bus()
         if bus._sync_handlers.get(event_type) or bus._async_handlers.get(event_type):
             return True
         if getattr(bus, "runtime_state", None) is not None:
             return True
-        sinks = _stream_sinks()
+        sinks = _sinks[0]
         return sinks is not None and bool(sinks.get())
     except Exception:  # noqa: BLE001 - a bus we do not know: emit, as before
         return True
 
 
-@functools.cache
-def _bus() -> Any:
+_bus: Any = None
+_sinks: list[contextvars.ContextVar[Any] | None] = [None]  # crewai's stream sinks, if any
+
+
+def _load_bus() -> Any:
+    global _bus
     from crewai.events.event_bus import crewai_event_bus
 
-    return crewai_event_bus
-
-
-@functools.cache
-def _stream_sinks() -> contextvars.ContextVar[Any] | None:
     try:
         from crewai.events import stream_context
-    except ImportError:
-        return None
-    sinks = getattr(stream_context, "_stream_sinks", None)
-    return sinks if isinstance(sinks, contextvars.ContextVar) else None
+
+        sinks = getattr(stream_context, "_stream_sinks", None)
+    except ImportError:  # crewai < 1.15: no streams of events
+        sinks = None
+    _sinks[0] = sinks if isinstance(sinks, contextvars.ContextVar) else None
+    _bus = crewai_event_bus
+    return crewai_event_bus
 
 
 # -- paths -----------------------------------------------------------------------------

@@ -115,7 +115,8 @@ class Guarded:
     def enter(
         self, claim: Record, backend: CacheBackend, monotonic: Callable[[], float]
     ) -> Step[Any] | None:
-        _emit(IdempotencyClaimEvent, self, claim, takeover=claim.token > 1)
+        if _compat.bus_listens(IdempotencyClaimEvent):
+            _emit(IdempotencyClaimEvent, self, claim, takeover=claim.token > 1)
         self.observation.claimed()
         gates = self.gates
         return None if gates is None else self._gated(gates, claim, backend, monotonic)

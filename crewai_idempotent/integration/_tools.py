@@ -98,34 +98,44 @@ def guard_method(original: Callable[..., Any]) -> Any:
 
         @functools.wraps(original)
         async def guarded_async(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # Certainly plain (nothing stashed, no `idempotent` field): two dict lookups,
-            # inline, since every call of every class tool asks.
+            # Every call of every class tool asks, so the checks are inline: flagged (its
+            # options stashed), certainly plain (nothing stashed, no `idempotent` field),
+            # or declared idempotent and never flagged (_options_for_call flags it).
             private = getattr(self, "__pydantic_private__", None)
-            if not (private and TOOL_STASH in private) and "idempotent" not in fields_of(
-                type(self)
-            ):
-                return await original(self, *args, **kwargs)
-            options = _options_for_call(self)
+            options = private.get(TOOL_STASH) if private else None
             if options is None:
+                if "idempotent" not in fields_of(type(self)):
+                    return await original(self, *args, **kwargs)
+                options = _options_for_call(self)
+                if options is None:
+                    return await original(self, *args, **kwargs)
+            elif not options.idempotent:
                 return await original(self, *args, **kwargs)
-            return await _guard().acall(target_of(), options, self, original, (self, *args), kwargs)
+            guard = _guard_module or _load_guard()
+            return await guard.acall(
+                target or target_of(), options, self, original, (self, *args), kwargs
+            )
 
         guarded: Any = guarded_async
     else:
 
         @functools.wraps(original)
         def guarded_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # Certainly plain (nothing stashed, no `idempotent` field): two dict lookups,
-            # inline, since every call of every class tool asks.
+            # Every call of every class tool asks, so the checks are inline: flagged (its
+            # options stashed), certainly plain (nothing stashed, no `idempotent` field),
+            # or declared idempotent and never flagged (_options_for_call flags it).
             private = getattr(self, "__pydantic_private__", None)
-            if not (private and TOOL_STASH in private) and "idempotent" not in fields_of(
-                type(self)
-            ):
-                return original(self, *args, **kwargs)
-            options = _options_for_call(self)
+            options = private.get(TOOL_STASH) if private else None
             if options is None:
+                if "idempotent" not in fields_of(type(self)):
+                    return original(self, *args, **kwargs)
+                options = _options_for_call(self)
+                if options is None:
+                    return original(self, *args, **kwargs)
+            elif not options.idempotent:
                 return original(self, *args, **kwargs)
-            return _guard().call(target_of(), options, self, original, (self, *args), kwargs)
+            guard = _guard_module or _load_guard()
+            return guard.call(target or target_of(), options, self, original, (self, *args), kwargs)
 
         guarded = guarded_sync
     guarded.__signature__ = hide_key(inspect.signature(original))
@@ -136,15 +146,14 @@ def guard_method(original: Callable[..., Any]) -> Any:
 _guard_module: Any = None
 
 
-def _guard() -> Any:
+def _load_guard() -> Any:
     """The guard's module, imported with the first flagged call (not at activation) and
-    looked up once: an import statement costs a microsecond on every call."""
+    kept: an import statement costs a microsecond on every call."""
     global _guard_module
-    if _guard_module is None:
-        from . import _guard
+    from . import _guard
 
-        _guard_module = _guard
-    return _guard_module
+    _guard_module = _guard
+    return _guard
 
 
 def _options_for_call(tool: Any) -> ToolOptions | None:
