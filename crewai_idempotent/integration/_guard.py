@@ -152,7 +152,7 @@ def _crew_of(scope: Scope | None) -> Any:
     if scope is not None and scope.crew is not None and not isinstance(scope.crew, str):
         return scope.crew
     if not crews:
-        return None  # no crew was built: whatever crewai's context says, none is known here
+        return None  # no crew has idempotency settings: none of them can apply here
     context = get_crew_context()
     return crews.get(str(context.id)) if context is not None else None
 
