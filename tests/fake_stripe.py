@@ -57,6 +57,7 @@ class FakeStripe:
         self.refunds: list[dict[str, Any]] = []
         self.requests: list[tuple[str, str, str | None]] = []  # method, path, key
         self._held: dict[str, threading.Event] = {}
+        self._waiting: list[threading.Event] = []
         self.holding = threading.Event()  # a held request is inside its processing
         server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         server.daemon_threads = True
@@ -66,8 +67,7 @@ class FakeStripe:
         self._thread.start()
 
     def close(self) -> None:
-        for event in self._held.values():
-            event.set()
+        self.release()
         self.server.shutdown()
         self.server.server_close()
 
@@ -77,7 +77,7 @@ class FakeStripe:
         self._held[path] = threading.Event()
 
     def release(self) -> None:
-        for event in self._held.values():
+        for event in [*self._held.values(), *self._waiting]:
             event.set()
         self._held.clear()
 
@@ -139,6 +139,7 @@ class FakeStripe:
                 self.keys[key] = {"path": path, "params": params, "running": True}
         held = self._held.pop(path, None)
         if held is not None:
+            self._waiting.append(held)
             self.holding.set()
             held.wait(60)
         with self.lock:
