@@ -265,26 +265,27 @@ def named(path: str) -> NamedReconciler:
             "(or 'package.module:object.method')"
         )
     path = path.strip()
-    with _named_lock:
-        found = _named.get(path)
-    if found is not None:
-        return found
     module_name = path.partition(":")[0]
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError) as exc:
-        raise ValueError(f"reconcile={path!r}: cannot find module {module_name!r}: {exc}") from exc
-    if spec is None:
-        raise ValueError(f"reconcile={path!r}: no module named {module_name!r}")
-    reconciler = NamedReconciler(path)
+    with _named_lock:
+        reconciler = _named.get(path)
+    if reconciler is None:
+        try:
+            spec = importlib.util.find_spec(module_name)
+        except (ImportError, ValueError) as exc:
+            raise ValueError(
+                f"reconcile={path!r}: cannot find module {module_name!r}: {exc}"
+            ) from exc
+        if spec is None:
+            raise ValueError(f"reconcile={path!r}: no module named {module_name!r}")
+        with _named_lock:
+            reconciler = _named.setdefault(path, NamedReconciler(path))
     module = sys.modules.get(module_name)
     if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", 0):
         try:
-            reconciler.resolve()
+            reconciler.resolve()  # once imported, a name it lacks is said here
         except (AttributeError, TypeError) as exc:
             raise ValueError(str(exc)) from exc
-    with _named_lock:
-        return _named.setdefault(path, reconciler)
+    return reconciler
 
 
 def path_of(reconcile: Any) -> str | None:

@@ -298,12 +298,25 @@ def _watch(
 
 
 def _log_to_stderr(verbose: bool) -> None:
-    """Alerts (and, while watching, the sweeper's own notes) as lines on stderr."""
+    """Alerts (and, while watching, the sweeper's own notes) as lines on stderr, for as
+    long as the command runs."""
     logger = logging.getLogger("crewai_idempotent")
-    if any(getattr(h, "_crewai_idempotent_cli", False) for h in logger.handlers):
-        return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    handler._crewai_idempotent_cli = True  # type: ignore[attr-defined]
+    level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if verbose else logging.WARNING)
+
+    def restore() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+    click.get_current_context().call_on_close(restore)
+
+
+class _Stderr(logging.StreamHandler[Any]):
+    """Writes to whatever `sys.stderr` is when a line is written."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)

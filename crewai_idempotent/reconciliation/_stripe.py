@@ -166,8 +166,12 @@ class StripeVerifier:
         return service.list(params).auto_paging_iter()
 
     def _carries(self, obj: Any, key: str) -> bool:
-        metadata = getattr(obj, "metadata", None) or {}
-        return bool(metadata.get(self.metadata_key) == key)
+        metadata = getattr(obj, "metadata", None)
+        if metadata is None:
+            return False
+        # A StripeObject is not a dict in newer releases of the library; to_dict() is in all.
+        as_dict = metadata.to_dict() if hasattr(metadata, "to_dict") else dict(metadata)
+        return bool(as_dict.get(self.metadata_key) == key)
 
     # -- by replay ---------------------------------------------------------------------
 

@@ -166,9 +166,7 @@ class Sweeper:
         if isinstance(alert_unknowns, bool) or not isinstance(alert_unknowns, int):
             raise TypeError(f"alert_unknowns must be a whole number, not {alert_unknowns!r}")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(
-                f"concurrency must be a whole number of 1 or more, not {concurrency!r}"
-            )
+            raise ValueError(f"concurrency must be 1 or more (a whole number), not {concurrency!r}")
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
         self.alert_after_s, self.alert_unknowns = float(alert_after_s), alert_unknowns
         self.alert_every_s = float(alert_every_s)
