@@ -416,8 +416,11 @@ def test_an_async_reconciler_serves_both_drivers(sweeper_of: Callable[..., Sweep
     backend = InMemoryCacheBackend()
     ledger = Ledger(backend)
 
+    where: list[str] = []
+
     async def find(key: str, args: Any) -> Any:
         await asyncio.sleep(0)
+        where.append(threading.current_thread().name)
         return Found(f"async-{key}")
 
     for key in ("a:1", "a:2"):
@@ -427,6 +430,9 @@ def test_an_async_reconciler_serves_both_drivers(sweeper_of: Callable[..., Sweep
     sweeper = sweeper_of(ledger, keys=["a:2"], reconcilers={"a": find})
     assert [r.outcome for r in asyncio.run(sweeper.asweep()).results] == ["found"]
     assert [backend.get(k).value() for k in ("a:1", "a:2")] == ["async-a:1", "async-a:2"]  # type: ignore[union-attr]
+    # Run to its end on a thread of its own by the sync pass, awaited on the loop (here, in
+    # the main thread) by the async one.
+    assert where == ["crewai-idempotent-reconcile", threading.main_thread().name]
 
 
 # -- the async pass, the background watch ------------------------------------------------------

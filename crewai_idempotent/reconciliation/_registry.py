@@ -194,7 +194,8 @@ def _sync_or_async(reconciler: Reconciler) -> Reconciler:
 
 class _Blocking:
     """An async reconciler asked from the sync driver: run with `asyncio.run` on the
-    reconciler's own thread. The async driver sees `coroutine` and awaits it instead."""
+    reconciler's own thread. The sweeper's async pass asks `coroutine` itself instead,
+    which the async driver awaits on the loop."""
 
     def __init__(self, coroutine: Callable[[str, Any], Any]) -> None:
         self.coroutine = coroutine

@@ -43,7 +43,7 @@ from .._record import Record, Status, _whoami
 from .._results import decode
 from .._steps import Swept, _Ask
 from ._alerts import Alert, AlertChannel, count_swept, default_channels, report_open, send_all
-from ._registry import Finder, Reconciler, tool_of
+from ._registry import Finder, Reconciler, _Blocking, tool_of
 
 log = logging.getLogger("crewai_idempotent.reconciliation")
 
@@ -224,14 +224,15 @@ class Sweeper:
         by = self.by
         if self.concurrency == 1 or len(candidates) < 2:
             for record in candidates:
-                self._record(report, progress, self._one(record, by))
+                result = self._one(record, by)
+                self._record(report, progress, result, self._now())
         else:
             with concurrent.futures.ThreadPoolExecutor(
                 self.concurrency, thread_name_prefix="crewai-idempotent-sweep"
             ) as pool:
                 futures = [pool.submit(self._one, record, by) for record in candidates]
                 for future in concurrent.futures.as_completed(futures):
-                    self._record(report, progress, future.result())
+                    self._record(report, progress, future.result(), self._now())
         try:
             open_now = len(ledger.records(Status.UNCERTAIN))
         except IdempotencyError as exc:
@@ -248,7 +249,7 @@ class Sweeper:
         try:
             found = list(await ledger._adrive(ledger._scan(Status.UNCERTAIN), io))
             found += list(await ledger._adrive(ledger._scan(Status.PENDING), io))
-            candidates = self._candidates(found, ledger.backend.now())
+            candidates = self._candidates(found, await self._anow())
         except IdempotencyError as exc:
             return self._unreachable(report, exc)
         progress.started(len(candidates))
@@ -258,7 +259,7 @@ class Sweeper:
         async def one(record: Record) -> None:
             async with limit:
                 result = await self._aone(record, by)
-            self._record(report, progress, result)
+            self._record(report, progress, result, await self._anow())
 
         await asyncio.gather(*(one(record) for record in candidates))
         try:
@@ -266,6 +267,19 @@ class Sweeper:
         except IdempotencyError as exc:
             return self._unreachable(report, exc)
         return self._finish(report, open_now)
+
+    def _now(self) -> float:
+        try:
+            return self.ledger.backend.now()
+        except Exception:  # noqa: BLE001 - the store's clock, when it cannot be read
+            return time.time()
+
+    async def _anow(self) -> float:
+        """The store's clock without a round trip on the loop (a server clock is read on
+        one of the ledger's lanes when a reading is due)."""
+        if not self.ledger.backend.now_blocks():
+            return self._now()
+        return await asyncio.wrap_future(self.ledger._lanes.io().submit(self._now))
 
     def _candidates(self, found: list[Record], now: float) -> list[Record]:
         """The records a pass looks at: UNCERTAIN ones and PENDING ones whose lease lapsed
@@ -288,7 +302,7 @@ class Sweeper:
         return chosen
 
     def _one(self, record: Record, by: str) -> Result:
-        pick, chosen = self._picker()
+        pick, chosen = self._picker(on_loop=False)
         try:
             swept = self.ledger._drive(
                 self.ledger._sweep(record.key, pick, by, self.hold_s, self.dry_run)
@@ -298,7 +312,7 @@ class Sweeper:
         return self._result(record, swept, chosen[0])
 
     async def _aone(self, record: Record, by: str) -> Result:
-        pick, chosen = self._picker()
+        pick, chosen = self._picker(on_loop=True)
         ledger = self.ledger
         try:
             steps = ledger._sweep(record.key, pick, by, self.hold_s, self.dry_run)
@@ -307,9 +321,10 @@ class Sweeper:
             return Result(record.key, "error", str(exc), tool_of(record), chosen[0], record)
         return self._result(record, swept, chosen[0])
 
-    def _picker(self) -> tuple[Callable[[Record], _Ask | str], list[str | None]]:
+    def _picker(self, on_loop: bool) -> tuple[Callable[[Record], _Ask | str], list[str | None]]:
         """The sweeper's half of the decision: which reconciler, with what, and whether
-        now. `chosen[0]` says afterwards which reconciler it was."""
+        now. `chosen[0]` says afterwards which reconciler it was. `on_loop`: for the async
+        driver, which awaits an async reconciler on the loop."""
         chosen: list[str | None] = [None]
 
         def pick(record: Record) -> _Ask | str:
@@ -330,6 +345,8 @@ class Sweeper:
                 args = arguments(record)
             except Exception as exc:  # noqa: BLE001 - what cannot be decoded is not guessed
                 return f"its recorded arguments cannot be read here: {type(exc).__name__}: {exc}"
+            if on_loop and isinstance(reconciler, _Blocking):
+                reconciler = reconciler.coroutine
             return _Ask(reconciler, record.key, args, self.timeout_s, record)
 
         return pick, chosen
@@ -340,11 +357,11 @@ class Sweeper:
             swept.record if swept.record is not None else record,
         )  # fmt: skip
 
-    def _record(self, report: Report, progress: Progress, result: Result) -> None:
+    def _record(self, report: Report, progress: Progress, result: Result, now: float) -> None:
         report.results.append(result)
         if not self.dry_run:
             count_swept(result.outcome, result.tool, self.ledger.backend)
-            report.alerts.extend(self._alerts_for(result))
+            report.alerts.extend(self._alerts_for(result, now))
         try:
             progress.done(result)
         except Exception:  # a progress display never stops a pass
@@ -358,7 +375,7 @@ class Sweeper:
         return report
 
     def _unreachable(self, report: Report, exc: Exception) -> Report:
-        report.error = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
+        report.error = str(exc) or type(exc).__name__
         report.finished = time.time()
         alert = Alert("ledger_unreachable", f"the sweeper cannot read the ledger: {exc}", self.url)
         if self._alert(alert.id, alert):
@@ -367,13 +384,12 @@ class Sweeper:
 
     # -- alerts --------------------------------------------------------------------------
 
-    def _alerts_for(self, result: Result) -> list[Alert]:
+    def _alerts_for(self, result: Result, now: float) -> list[Alert]:
         record = result.record
         if record is None or result.outcome in ("found", "absent", "overtaken", "error"):
             return []
         if record.status not in (Status.UNCERTAIN, Status.PENDING):
             return []
-        now = self.ledger.backend.now()
         age = now - open_since(record)
         unknowns, _ = unknown_answers(record)
         raised = []
