@@ -112,7 +112,9 @@ def test_an_unreachable_ledger_exits_1_and_says_why() -> None:
     assert "ERROR crewai_idempotent.reconciliation: ledger_unreachable" in done.stderr
 
 
-def test_bad_usage_is_said_where_it_is_given(ledger: Ledger, url: str) -> None:
+def test_bad_usage_is_said_where_it_is_given(
+    ledger: Ledger, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     uncertain(ledger, "pay:1")
     missing = cli(url, "--import", "no_such_module_anywhere")
     assert missing.exit_code == 1
@@ -120,6 +122,11 @@ def test_bad_usage_is_said_where_it_is_given(ledger: Ledger, url: str) -> None:
         missing.output
     )
     assert cli(url, "--timeout", "soon").exit_code == 2
+    (tmp_path / "broken_reconcilers.py").write_text("def broken(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    failed = cli(url, "--import", "broken_reconcilers")
+    assert failed.exit_code == 1
+    assert "importing 'broken_reconcilers' failed: SyntaxError" in failed.output
     assert cli(url, "--concurrency", "0").exit_code == 2
 
 

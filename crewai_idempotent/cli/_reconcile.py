@@ -136,6 +136,10 @@ def reconcile(
     Reconcilers are found by tool name (--import, entry points) or by the import path a
     record names under an --import or --trust module. See docs/recovery.md.
     """
+    # Every duration read before anything is opened or imported.
+    pause, timeout_s = _seconds(interval), duration(timeout)
+    backoff_s, max_backoff_s = _seconds(backoff), _seconds(max_backoff)
+    alert_after_s = _seconds(alert_after)
     # A console script's sys.path lacks the current folder, where `myapp` usually is.
     if imports and os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -150,22 +154,22 @@ def reconcile(
             imports=imports,
             trust=trust,
             entry_points=not no_entry_points,
-            timeout_s=duration(timeout),
-            backoff_s=_seconds(backoff),
-            max_backoff_s=_seconds(max_backoff),
-            alert_after_s=_seconds(alert_after),
             alert_unknowns=alert_unknowns,
             concurrency=concurrency,
             tools=tools or None,
             keys=keys or None,
             dry_run=dry_run,
+            timeout_s=timeout_s,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            alert_after_s=alert_after_s,
         )
     except ImportError as exc:
         raise click.ClickException(safe(f"--import: {type(exc).__name__}: {exc}")) from None
     except (ValueError, TypeError) as exc:
         raise click.UsageError(safe(str(exc))) from None
     if watch:
-        _watch(sweeper, where, _seconds(interval), as_json, passes)
+        _watch(sweeper, where, pause, as_json, passes)
         return
     report = _one_pass(sweeper, as_json)
     if as_json:

@@ -124,7 +124,14 @@ class Finder:
     ) -> None:
         self.imports = tuple(imports)
         for module in self.imports:
-            importlib.import_module(module)  # its register() calls and tools count
+            try:
+                importlib.import_module(module)  # its register() calls and tools count
+            except ImportError:
+                raise
+            except Exception as exc:  # a module that fails as it runs: said as the import
+                raise ImportError(
+                    f"importing {module!r} failed: {type(exc).__name__}: {exc}", name=module
+                ) from exc
         self.trusted = tuple(dict.fromkeys([*self.imports, *trust]))
         self.given = {
             tool: _callable(r, f"reconcilers[{tool!r}]") for tool, r in (reconcilers or {}).items()
