@@ -196,3 +196,15 @@ def test_a_progress_bar_on_a_terminal_only(ledger: Ledger, url: str) -> None:
 def test_the_sweeper_is_in_the_command_list() -> None:
     shown: Any = CliRunner().invoke(main, ["--help"])
     assert "reconcile" in shown.output
+
+
+def test_show_says_what_a_sweeper_asks_with(ledger: Ledger, url: str) -> None:
+    uncertain(ledger, "pay:1", tool="pay_invoice")
+    shown = CliRunner().invoke(main, ["--ledger", url, "show", "pay:1"], env={"COLUMNS": "250"})
+    assert (
+        "reconcile    tool pay_invoice, reconciler tests.reconcile_support:answer, arguments "
+        "recorded" in shown.output
+    )
+    cli(url, *IMPORT)
+    settled = CliRunner().invoke(main, ["--ledger", url, "show", "pay:1"], env={"COLUMNS": "250"})
+    assert "arguments recorded" not in settled.output  # dropped once it is COMMITTED

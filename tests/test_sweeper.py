@@ -306,6 +306,41 @@ def test_a_reconciler_that_hangs_is_unknown_at_its_timeout_and_its_late_answer_i
     assert after is not None and after.status is Status.UNCERTAIN  # the late Found changed nothing
 
 
+def test_on_the_loop_a_hung_reconciler_holds_no_lane_and_is_unknown(
+    sweeper_of: Callable[..., Sweeper], provider: Provider
+) -> None:
+    backend = InMemoryCacheBackend()
+    ledger = Ledger(backend, wait_s=0)
+    release = threading.Event()
+
+    def hangs(key: str, args: Any) -> Any:
+        release.wait(60)
+        return Found("too late")
+
+    async def hangs_async(key: str, args: Any) -> Any:
+        await asyncio.Event().wait()  # never set: cancelled at the timeout
+
+    uncertain(ledger, "hung:sync", tool="hung")
+    uncertain(ledger, "hung:async", tool="hung_async")
+    # The async driver bounds the ask with asyncio's own timer: a short one, no assertion
+    # on how long anything took.
+    sweeper = sweeper_of(
+        ledger, reconcilers={"hung": hangs, "hung_async": hangs_async}, timeout_s=0.2
+    )
+    try:
+        report = asyncio.run(sweeper.asweep())
+    finally:
+        release.set()
+    assert sorted((r.key, r.outcome) for r in report.results) == [
+        ("hung:async", "unknown"), ("hung:sync", "unknown"),
+    ]  # fmt: skip
+    for result in report.results:
+        assert "did not answer within reconcile_timeout_s=0.2 s" in result.reason
+        with pytest.raises(OutcomeUncertain):
+            ledger.run(result.key, _body(provider, result.key), fingerprint="fp")
+    assert provider.effects() == []
+
+
 def test_a_dry_run_asks_nothing_and_writes_nothing(
     backend: CacheBackend, sweeper_of: Callable[..., Sweeper], asked_file: Path
 ) -> None:
