@@ -45,7 +45,7 @@ from ._policy import (
     check_reconcile_timeout,
     check_seconds,
 )
-from ._reconcile import aask, ask
+from ._reconcile import aask, ask, named, path_of
 from ._record import Record, Status, _whoami
 from ._rooms import _Lanes, _Rooms
 from ._steps import _MISSING, Outcome, Settled, Stage, Step, _Ask, _Call, _Park, _Sleep
@@ -160,7 +160,7 @@ class Ledger(_Machine):
         wait_s: float | None = None,
         lease_s: float | None = None,
         ttl: float | None = _MISSING,
-        reconcile: Reconciler | None = None,
+        reconcile: Reconciler | str | None = None,
         on_stale: StalePolicy | None = None,
         wrap_errors: bool = False,
         reconcile_timeout_s: float | None = _MISSING,
@@ -170,6 +170,10 @@ class Ledger(_Machine):
 
         With `wrap_errors=True` an exception from the body is raised as `BodyFailed`
         (the body's exception is its `__cause__`) carrying how it was recorded.
+
+        `reconcile` is a callable or its import path (`"myapp.payments:find_charge"`);
+        with one, the claim records the call's arguments (and the path, when it has one),
+        so that a sweeper in another process can ask it (`crewai_idempotent.reconciliation`).
 
         `stage` (a `Stage`: the approval and spend-cap gates) runs once the claim is
         durable and before the body starts; what it raises is raised as it is, with the
@@ -249,7 +253,7 @@ class Ledger(_Machine):
         wait_s: float | None = None,
         lease_s: float | None = None,
         ttl: float | None = _MISSING,
-        reconcile: Reconciler | None = None,
+        reconcile: Reconciler | str | None = None,
         on_stale: StalePolicy | None = None,
         wrap_errors: bool = False,
         reconcile_timeout_s: float | None = _MISSING,
@@ -438,7 +442,7 @@ class Ledger(_Machine):
         wait_s: float | None,
         lease_s: float | None,
         ttl: float | None,
-        reconcile: Reconciler | None,
+        reconcile: Reconciler | str | None,
         on_stale: StalePolicy | None,
     ) -> _Options:
         if wait_s is None and lease_s is None and ttl is _MISSING:
@@ -455,25 +459,37 @@ class Ledger(_Machine):
             raise ValueError("on_stale='reconcile' needs a reconcile= callable")
         if not isinstance(fingerprint, str):
             raise TypeError("fingerprint must be a str (see crewai_idempotent.fingerprint)")
+        call = None
+        if reconcile is not None:
+            if isinstance(reconcile, str):
+                reconcile = named(reconcile)
+            # What a sweeper in another process reads to ask the same reconciler.
+            path = path_of(reconcile)
+            call = {"ttl": ttl} if path is None else {"reconciler": path, "ttl": ttl}
         return _Options(
-            fingerprint, args, wait_s, lease_s, ttl, reconcile, policy, self.reconcile_timeout_s
-        )
+            fingerprint, args, wait_s, lease_s, ttl, reconcile, policy, self.reconcile_timeout_s,
+            call,
+        )  # fmt: skip
 
     def _call_options(
         self,
         wait_s: float | None,
         lease_s: float | None,
         ttl: float | None,
-        reconcile: Reconciler | None,
+        reconcile: Reconciler | str | None,
         on_stale: StalePolicy | None,
         reconcile_timeout_s: float | None = None,
+        tool: str | None = None,
     ) -> _Options:
         """The options of every call made with these settings, checked once (None: this
-        ledger's own); a call fills in its fingerprint and arguments (`_Options.of_call`)."""
+        ledger's own); a call fills in its fingerprint and arguments (`_Options.of_call`).
+        `tool`: the tool's name, recorded with the claims of a tool that has a reconciler."""
         ttl_or_own = _MISSING if ttl is None else ttl
         options = self._options("", None, wait_s, lease_s, ttl_or_own, reconcile, on_stale)
         if reconcile_timeout_s is not None:
             options.reconcile_timeout_s = _bound(reconcile_timeout_s)
+        if tool is not None and options.call is not None:
+            options.call = {"tool": tool, **options.call}
         return options
 
     def _unrecorded(self, claim: _Claim, value: Any) -> Outcome[Any]:
@@ -537,7 +553,9 @@ class Ledger(_Machine):
                     self._sleep(max(step.seconds, 0.0))
                 else:
                     assert type(step) is _Ask
-                    reply = ask(step.reconcile, step.key, step.args, step.timeout, self._wait)
+                    reply = ask(
+                        step.reconcile, step.key, step.args, step.timeout, self._wait, step.record
+                    )
         except OutcomeUncertain as uncertain:
             self._name_ledger(uncertain)
             raise
@@ -592,7 +610,9 @@ class Ledger(_Machine):
                         self._clock.sleep(max(step.seconds, 0.0))
                 else:
                     assert type(step) is _Ask
-                    reply = await aask(step.reconcile, step.key, step.args, step.timeout)
+                    reply = await aask(
+                        step.reconcile, step.key, step.args, step.timeout, step.record
+                    )
         except OutcomeUncertain as uncertain:
             self._name_ledger(uncertain)
             raise

@@ -9,8 +9,9 @@ Before the body: replay a live receipt, wait for a live claim (one poller per ke
 process, in its `_Room`), claim an absent key, take over a failed or expired one, and
 for a lapsed lease apply `on_stale` (mark UNCERTAIN, reconcile, or take over). After
 the body: commit or record the failure, retrying a while if the store is down; if the
-claim was taken over meanwhile, settle by the fencing token (`_fenced`, `_late`). And an
-operator's `resolve`.
+claim was taken over meanwhile, settle by the fencing token (`_fenced`, `_late`). An
+operator's `resolve`, and a sweeper's look at a record (`_sweep`), which settles it by its
+reconciler's answer through the same compare-and-set as everything else.
 
 One module although it is long: these are the transitions of one state machine, and
 each is only right next to the ones it races with (a takeover against a late commit, a
@@ -39,7 +40,7 @@ from ._reconcile import Absent, Found, Unanswered, Unknown
 from ._record import Event, HostDeadline, Owner, Peek, Record, Status, _label, _this_process
 from ._results import decode, encode
 from ._rooms import _UNKNOWN, _Room, _Rooms
-from ._steps import _MISSING, Outcome, Step, _Ask, _Call, _Park, _Sleep
+from ._steps import _MISSING, Outcome, Step, Swept, _Ask, _Call, _Park, _Sleep
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -228,7 +229,7 @@ class _Machine:
         record = Record(
             room.key, Status.PENDING, o.fingerprint, 1, 1, owner, 1, now, now, now + o.lease_s,
             None, None, None, False, (), (Event(now, "claim", 1, label),),
-            self._host_lease(o.lease_s),
+            self._host_lease(o.lease_s), None, _call(o),
         )  # fmt: skip
         try:
             holder = yield _Call(self.backend.insert, record, claims=record)
@@ -257,10 +258,7 @@ class _Machine:
         if status is Status.UNCERTAIN:  # with a reconciler
             return (yield from self._reconcile(room, held, o, "uncertain"))
         # PENDING whose owner stopped renewing the lease
-        if held.restarted_under(self._host):
-            lapse = "the host restarted since its owner renewed the lease"
-        else:
-            lapse = f"lease expired {-held.lease_left(now, self._host):.1f} s ago"
+        lapse = self._lapse(held, now)
         if o.on_stale == "retry":
             return (yield from self._take_over(held, o, "takeover", f"{lapse}; on_stale=retry"))
         if o.on_stale == "reconcile":
@@ -271,6 +269,12 @@ class _Machine:
             "before committing: the effect may or may not have happened",
         )
         return None
+
+    def _lapse(self, held: Record, now: float) -> str:
+        """How a PENDING record's lease lapsed, for its history."""
+        if held.restarted_under(self._host):
+            return "the host restarted since its owner renewed the lease"
+        return f"lease expired {-held.lease_left(now, self._host):.1f} s ago"
 
     def _release_unanswered(self, record: Record) -> Step[None]:
         """The store failed to answer a claim that may nonetheless have landed. The body
@@ -323,6 +327,7 @@ class _Machine:
             expires_at=None,
             result=None,
             error=None,
+            call=_call(o),
         )
         if (yield _Call(self.backend.replace, held, new, claims=new)):
             self._rooms.publish(new.key, new)
@@ -354,19 +359,9 @@ class _Machine:
         self, room: _Room, held: Record, o: _Options, why: str
     ) -> Step[Outcome[Any] | _Claim | None]:
         assert o.reconcile is not None
-        verdict = yield _Ask(o.reconcile, held.key, o.args, o.reconcile_timeout_s)
-        now = self.backend.now()
+        verdict = yield _Ask(o.reconcile, held.key, o.args, o.reconcile_timeout_s, held)
         if isinstance(verdict, Found):
-            new = held.evolve(
-                Event(now, "reconcile", held.token, _this_process(), f"{why}; reconciler found it"),
-                status=Status.COMMITTED,
-                updated_at=now,
-                lease_expires_at=None,
-                expires_at=now + o.ttl if o.ttl else None,
-                host_expires=self._host_expiry(o.ttl),
-                result=encode(verdict.result),
-                error=None,
-            )
+            new = self._found(held, verdict, f"{why}; reconciler found it", _this_process(), o.ttl)
             if (yield _Call(self.backend.replace, held, new)):
                 self._rooms.publish(new.key, new)
                 self._emit("reconciled", new)
@@ -378,6 +373,140 @@ class _Machine:
         unanswered = room if isinstance(verdict, Unanswered) else None
         yield from self._mark_uncertain(held, f"{why}; {verdict.reason}", unanswered)
         return None
+
+    def _found(self, held: Record, verdict: Found, note: str, by: str, ttl: float | None) -> Record:
+        """`held` COMMITTED with the receipt a reconciler found, expiring as a commit would."""
+        now = self.backend.now()
+        return held.evolve(
+            Event(now, "reconcile", held.token, by, note),
+            status=Status.COMMITTED,
+            updated_at=now,
+            lease_expires_at=None,
+            expires_at=now + ttl if ttl else None,
+            host_expires=self._host_expiry(ttl),
+            result=encode(verdict.result),
+            error=None,
+        )
+
+    def _sweep(
+        self,
+        key: str,
+        pick: Callable[[Record], _Ask | str],
+        by: str,
+        hold_s: float,
+        dry_run: bool = False,
+    ) -> Step[Swept]:
+        """A sweeper's look at one record, and the settlement its reconciler's answer calls
+        for when the record is a sweeper's to settle: UNCERTAIN, or PENDING with a lapsed
+        lease; never one that needs an operator, one whose owner renews its lease, or one
+        another sweeper (`reconciling`) is asking about.
+
+        `pick(record)` is the sweeper's choice: the `_Ask` to make, or why not now (no
+        reconciler, backing off). The record is first marked as this sweeper's (`by`) for
+        `hold_s`, so other sweepers leave it alone; then Found commits the receipt, Absent
+        marks it FAILED so that the next call runs, Unknown leaves (or makes) it UNCERTAIN
+        with the attempt in its history. Each write is a compare-and-set, like any other:
+        an owner that renewed or finished meanwhile wins, and the answer is written to a
+        record that changed only while it is still open under the same token.
+        """
+        held = yield _Call(self.backend.get, key)
+        while True:
+            now = self.backend.now()
+            why = self._sweepable(held, now, by)
+            if held is None or why is None:
+                return Swept("skipped", held, self._unsweepable(held, now))
+            ask = pick(held)
+            if isinstance(ask, str):
+                return Swept("left", held, ask)
+            if dry_run:
+                return Swept("due", held, why)
+            marked = held.evolve(None, reconciling=(by, now + hold_s))
+            if (yield _Call(self.backend.replace, held, marked)):
+                break
+            held = yield _Call(self.backend.get, key)
+        verdict = yield _Ask(ask.reconcile, key, ask.args, ask.timeout, marked)
+        while True:
+            new, outcome, kind = self._swept(marked, verdict, why, by)
+            if (yield _Call(self.backend.replace, marked, new)):
+                self._rooms.publish(key, new)
+                self._emit(kind, new)
+                reason = verdict.reason if isinstance(verdict, Unknown) else why
+                return Swept(outcome, new, reason)
+            current = yield _Call(self.backend.get, key)
+            now = self.backend.now()
+            if (
+                current is None
+                or current.token != marked.token
+                or self._sweepable(current, now, by) is None
+            ):
+                return Swept("overtaken", current, self._unsweepable(current, now))
+            marked = current  # still open under the same token: the answer still holds
+
+    def _sweepable(self, held: Record | None, now: float, by: str) -> str | None:
+        """What made `held` a sweeper's to settle (the note its history gets), or None."""
+        if held is None or held.needs_operator:
+            return None
+        mark = held.reconciling
+        if mark is not None and mark[0] != by and mark[1] > now:
+            return None
+        if held.status is Status.UNCERTAIN:
+            return "uncertain"
+        if held.status is not Status.PENDING:
+            return None
+        try:
+            if held.lease_live(now, self._host):
+                return None
+        except LedgerUnavailable:
+            return None  # a live lease another host renews, on a ledger only one host may use
+        return self._lapse(held, now)
+
+    def _unsweepable(self, held: Record | None, now: float) -> str:
+        """Why a sweeper leaves `held` alone (`_sweepable` said None)."""
+        if held is None:
+            return "no record"
+        if held.needs_operator:
+            return "two executions may have happened: only resolve settles it"
+        mark = held.reconciling
+        if mark is not None and mark[1] > now and held.status in (Status.UNCERTAIN, Status.PENDING):
+            return f"{mark[0]} is asking its reconciler"
+        if held.status is Status.PENDING:
+            try:
+                held.lease_live(now, self._host)
+            except LedgerUnavailable as exc:
+                return str(exc)
+            return "its owner renews its lease"
+        return f"it is {held.status.value}"
+
+    def _swept(
+        self, held: Record, verdict: Found | Absent | Unknown, why: str, by: str
+    ) -> tuple[Record, str, str]:
+        """The record a sweeper writes for a reconciler's answer: (record, outcome, the
+        listeners' kind)."""
+        ttl = (held.call or {}).get("ttl", self.ttl)
+        if isinstance(verdict, Found):
+            found = self._found(held, verdict, f"{why}; reconciler found it", by, ttl)
+            return found, "found", "reconciled"
+        now = self.backend.now()
+        if isinstance(verdict, Absent):
+            note = f"{why}; reconciler: absent"
+            new = held.evolve(
+                Event(now, "absent", held.token, by, note),
+                status=Status.FAILED, updated_at=now, lease_expires_at=None,
+                error=f"{by}: its reconciler found no trace of it; the next attempt runs it",
+            )  # fmt: skip
+            return new, "absent", "fail"
+        error = held.error
+        if held.status is Status.PENDING:
+            error = (
+                f"its owner {_label(held)} stopped renewing its lease ({why}) before committing: "
+                f"the effect may or may not have happened; its reconciler could not tell: "
+                f"{verdict.reason}"
+            )
+        new = held.evolve(
+            Event(now, "unknown", held.token, by, f"{why}; {verdict.reason}"),
+            status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None, error=error,
+        )  # fmt: skip
+        return new, "unknown", "uncertain"
 
     def _finish(
         self, claim: _Claim, status: Status, *, value: Any = _MISSING, reason: str | None = None
@@ -605,3 +734,9 @@ class _Machine:
                 listener(kind, record)
             except Exception:
                 log.exception("idempotency listener %r failed on %s", listener, kind)
+
+
+def _call(o: _Options) -> dict[str, Any] | None:
+    """What a claim records for a reconciler asked from another process, if it has one."""
+    call = o.call
+    return None if call is None else {**call, "args": encode(o.args)}

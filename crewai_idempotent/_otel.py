@@ -410,6 +410,14 @@ def watch_uncertain(ledger: Ledger, *, interval_s: float = 60.0) -> None:
         watch.count_now()
 
 
+def report_uncertain(backend: Any, count: int) -> None:
+    """Set the gauge's count for `backend` (a sweeper counts the open UNCERTAIN records on
+    every pass, so the gauge needs no background count of its own where one runs)."""
+    watch = _uncertain_watch
+    with watch.lock:
+        watch.counts = {**watch.counts, backend_label(backend): count}
+
+
 def stop_watching() -> None:
     """Stop the background count (the gauge keeps its last values)."""
     watch = _uncertain_watch

@@ -77,10 +77,13 @@ class _Options:
     reconcile: Reconciler | None
     on_stale: StalePolicy
     reconcile_timeout_s: float | None = None  # None: the reconciler is waited for without bound
+    # With a reconciler: what a claim records for one asked from another process (the
+    # tool, the reconciler's import path, the ttl); the claim adds the arguments.
+    call: dict[str, Any] | None = None
 
     def of_call(self, fingerprint: str, args: Any) -> _Options:
         """These options for one call: its fingerprint and arguments filled in."""
         return _Options(
             fingerprint, args, self.wait_s, self.lease_s, self.ttl, self.reconcile,
-            self.on_stale, self.reconcile_timeout_s,
+            self.on_stale, self.reconcile_timeout_s, self.call,
         )  # fmt: skip

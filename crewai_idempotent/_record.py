@@ -124,6 +124,14 @@ class Record:
     # older readers see. `lease_expires_at` on `running()`, `expires_at` on `elapsed()`.
     host_lease: HostDeadline | None = None
     host_expires: HostDeadline | None = None
+    # What a reconciler in another process needs to ask about the call (written with the
+    # claim of a call that has a reconciler): the tool's name, the reconciler's import
+    # path, the receipt's ttl and the call's arguments, encoded as a receipt is. Kept while
+    # the outcome is open; a write that settles the record (COMMITTED, FAILED) drops it.
+    call: dict[str, Any] | None = None
+    # A sweeper asking the record's reconciler: (who, until, on the store's clock). Other
+    # sweepers leave the record alone until then; any later write drops the mark.
+    reconciling: tuple[str, float] | None = None
 
     def __init__(
         self,
@@ -145,12 +153,14 @@ class Record:
         history: tuple[Event, ...] = (),
         host_lease: HostDeadline | None = None,
         host_expires: HostDeadline | None = None,
+        call: dict[str, Any] | None = None,
+        reconciling: tuple[str, float] | None = None,
     ) -> None:
         (
             set_key, set_status, set_fingerprint, set_token, set_revision, set_owner,
             set_attempts, set_created_at, set_updated_at, set_lease_expires_at,
             set_expires_at, set_result, set_error, set_needs_operator, set_evidence,
-            set_history, set_host_lease, set_host_expires,
+            set_history, set_host_lease, set_host_expires, set_call, set_reconciling,
         ) = _RECORD_SETTERS  # fmt: skip
         set_key(self, key)
         set_status(self, status)
@@ -170,6 +180,8 @@ class Record:
         set_history(self, history)
         set_host_lease(self, host_lease)
         set_host_expires(self, host_expires)
+        set_call(self, call)
+        set_reconciling(self, reconciling)
 
     def value(self) -> Any:
         """The stored result, decoded to what the body returned."""
@@ -260,13 +272,14 @@ class Record:
         """The owner's own commit or failure of this claim: `evolve` for the hot path.
 
         The next revision, `event` appended, the lease gone; the fields passed replace
-        `result`, `error`, `expires_at` and `host_expires`.
+        `result`, `error`, `expires_at` and `host_expires`. The call's arguments stay only
+        on an UNCERTAIN record, whose outcome is still open.
         """
         return Record(
             self.key, status, self.fingerprint, self.token, self.revision + 1, self.owner,
             self.attempts, self.created_at, now, None, expires_at, result, error,
             self.needs_operator, self.evidence, _appended(self.history, event), None,
-            host_expires,
+            host_expires, self.call if status is Status.UNCERTAIN else None,
         )  # fmt: skip
 
     def evolve(self, event: Event | None = None, **changes: Any) -> Record:
@@ -274,9 +287,14 @@ class Record:
 
         A deadline on the host's clock goes with the wall-clock one it was written with:
         changing `lease_expires_at` (or `expires_at`) without giving `host_lease` (or
-        `host_expires`) drops it, so a stale one never outlives its pair.
+        `host_expires`) drops it, so a stale one never outlives its pair. A sweeper's mark
+        (`reconciling`) lasts only until the next write, and the call's arguments only
+        until a write settles the record (COMMITTED or FAILED).
         """
         changes.setdefault("revision", self.revision + 1)
+        changes.setdefault("reconciling", None)
+        if "call" not in changes and changes.get("status") in _SETTLED:
+            changes["call"] = None
         if event is not None:
             changes["history"] = _appended(self.history, event)
         if "lease_expires_at" in changes and "host_lease" not in changes:
@@ -329,6 +347,10 @@ class Record:
             doc["host_lease"] = self.host_lease
         if self.host_expires is not None:
             doc["host_expires"] = self.host_expires
+        if self.call is not None:
+            doc["call"] = self.call
+        if self.reconciling is not None:
+            doc["reconciling"] = self.reconciling
         return doc
 
     @classmethod
@@ -358,7 +380,12 @@ class Record:
             history=tuple(Event(*e) for e in d["history"]),
             host_lease=_deadline(d.get("host_lease")),
             host_expires=_deadline(d.get("host_expires")),
+            call=_call(d.get("call")),
+            reconciling=_deadline(d.get("reconciling")),
         )
+
+
+_SETTLED = (Status.COMMITTED, Status.FAILED)
 
 
 def _setters(cls: type) -> tuple[Callable[[Any, Any], None], ...]:
@@ -385,6 +412,14 @@ def _deadline(stored: Any) -> HostDeadline | None:
     if not isinstance(boot, str) or isinstance(at, bool) or not isinstance(at, int | float):
         raise ValueError(f"not a host clock deadline: {stored!r}")
     return (boot, float(at))
+
+
+def _call(stored: Any) -> dict[str, Any] | None:
+    if stored is None:
+        return None
+    if not isinstance(stored, dict):
+        raise ValueError(f"not a call: {stored!r}")
+    return stored
 
 
 def _passed(deadline: HostDeadline | None, host: HostClock | None) -> bool:

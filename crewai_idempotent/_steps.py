@@ -90,17 +90,45 @@ class _Park:
 
 
 class _Ask:
-    """Ask a reconciler; `timeout` (seconds, None: no bound) before its answer is Unknown."""
+    """Ask a reconciler; `timeout` (seconds, None: no bound) before its answer is Unknown.
+    `record`: the record it is asked about (`reconciling()` while it runs)."""
 
-    __slots__ = ("args", "key", "reconcile", "timeout")
+    __slots__ = ("args", "key", "reconcile", "record", "timeout")
 
     def __init__(
-        self, reconcile: Reconciler, key: str, args: Any, timeout: float | None = None
+        self,
+        reconcile: Reconciler,
+        key: str,
+        args: Any,
+        timeout: float | None = None,
+        record: Record | None = None,
     ) -> None:
         self.reconcile, self.key, self.args, self.timeout = reconcile, key, args, timeout
+        self.record = record
 
 
 Step = Generator[_Call | _Sleep | _Park | _Ask, Any, T]
+
+
+class Swept:
+    """What a sweeper's look at one record came to (`_Machine._sweep`).
+
+    `outcome`: "found" (COMMITTED with the reconciler's receipt), "absent" (FAILED: the
+    next call runs), "unknown" (still UNCERTAIN, the attempt in its history), "left" (not
+    asked now: `reason` says why: no reconciler, backing off), "due" (a dry run: it would
+    be asked), "skipped" (not for a sweeper: settled, its owner renews its lease, another
+    sweeper is asking, it needs an operator) or "overtaken" (asked, but the record was
+    settled or claimed again before the answer could be written: the answer was dropped).
+    `record` is the record as the sweeper last wrote or read it.
+    """
+
+    __slots__ = ("outcome", "reason", "record")
+
+    def __init__(self, outcome: str, record: Record | None, reason: str = "") -> None:
+        self.outcome, self.record, self.reason = outcome, record, reason
+
+    def __repr__(self) -> str:
+        return f"Swept({self.outcome!r}, reason={self.reason!r})"
 
 
 class Settled:

@@ -208,6 +208,57 @@ def _claims(ns: dict[str, Any], effects: Effects) -> None:
         assert isinstance(ns["find_charge"]("charge:order-1", {}), Absent)
     if "receipts" in ns:
         assert ns["receipts"] == ["ch_o1", "ch_o2"]
+    _reconciliation_claims(ns)
+
+
+def _reconciliation_claims(ns: dict[str, Any]) -> None:
+    """recovery.md's sweeper and verifiers, against the local servers the tests use."""
+    from crewai_idempotent import Found
+    from crewai_idempotent._reconcile import ask
+    from tests.reconcile_support import uncertain
+
+    if "sweeper" in ns:  # the pass settles what find_charge can tell (nothing: Absent)
+        sweeper = ns["sweeper"]
+        uncertain(sweeper.ledger, "charge:order-1", tool="charge_card")
+        assert [(r.key, r.outcome) for r in sweeper.sweep().results] == [
+            ("charge:order-1", "absent")
+        ]
+        sweeper.close()
+    if "verify_payment" in ns:  # the tool's charge is what the verifier finds
+        import stripe
+
+        from tests.fake_stripe import API_KEY, FakeStripe
+
+        fake = FakeStripe()
+        try:
+            client = stripe.StripeClient(API_KEY, base_addresses={"api": fake.url})
+            ns["client"] = ns["verify_payment"]._client = client
+            receipt = ns["pay_invoice"].run(invoice_id="inv_1", amount_cents=500)
+            assert ask(ns["verify_payment"], "pay:inv_1", {}) == Found(receipt)
+            assert [c["id"] for c in fake.charged("pay:inv_1")] == [receipt]
+        finally:
+            fake.close()
+    if "verify_transfer" in ns:  # the first answer comes back; nothing is done twice
+        from tests.idempotent_http import IdempotentAPI
+
+        api = IdempotentAPI()
+        try:
+            verify = ns["verify_transfer"]
+            verify.url = f"{api.url}/transfers"
+            args = {"amount": 40, "to": "acct_9"}
+            first = httpx.post(verify.url, json=args, headers={"Idempotency-Key": "transfer:1"})
+            assert ask(verify, "transfer:1", args) == Found(first.json())
+            assert len(api.transfers) == 1
+        finally:
+            api.close()
+    if "find_order_charge" in ns:
+        import sqlite3
+
+        with sqlite3.connect(Path.cwd() / "srv" / "app" / "shop.db") as db:
+            db.execute("CREATE TABLE charges (idempotency_key TEXT, charge_id TEXT)")
+            db.execute("INSERT INTO charges VALUES ('charge:order-1', 'ch_1')")
+        assert ask(ns["find_order_charge"], "charge:order-1", {}) == Found("ch_1")
+        assert isinstance(ask(ns["find_order_charge"], "charge:order-2", {}), Absent)
 
 
 def test_the_http_example_says_what_happens(run_block: Any) -> None:

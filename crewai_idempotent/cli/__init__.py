@@ -4,6 +4,7 @@
     crewai-idempotent show KEY
     crewai-idempotent resolve KEY --happened --result-text ch_123 --reason "in the dashboard"
     crewai-idempotent resolve KEY --absent --reason "no charge at the provider"
+    crewai-idempotent reconcile [--watch] [--dry-run] [--import myapp.reconcilers]
     crewai-idempotent doctor [--self-test]
     crewai-idempotent export > ledger.jsonl
 
@@ -16,8 +17,8 @@ Everything printed for people is safe for a terminal: control and bidirectional-
 characters in keys, errors and receipts are shown escaped, and ledger passwords as `***`.
 
 The commands live beside this module: `_ledger` (ls, show, resolve, purge, export),
-`_gates` (approvals, spend), `_doctor`, `_demos`; they print through `_output` and find
-the ledger through `_where`, never through this module.
+`_gates` (approvals, spend), `_doctor`, `_demos`, `_reconcile` (the sweeper); they print
+through `_output` and find the ledger through `_where`, never through this module.
 
 Exit status: 0 done; 1 refused, not found, or the ledger is unavailable; 2 bad usage
 (including a malformed ledger URL or --result that is not JSON).
@@ -33,6 +34,7 @@ from ._demos import demo, demo_approvals
 from ._doctor import doctor
 from ._gates import approvals, spend
 from ._ledger import export, list_records, purge, resolve, show
+from ._reconcile import reconcile
 from ._where import Where
 
 __all__ = ["main"]
@@ -77,5 +79,6 @@ for _command in (
     approvals,
     spend,
     demo_approvals,
+    reconcile,
 ):
     main.add_command(_command)

@@ -223,6 +223,12 @@ def show(where: Where, key: str, as_json: bool) -> None:
         rows.append((f"result ({what})", dumps(data)))
     if record.needs_operator:
         rows.append(("needs operator", "yes: two executions may have happened"))
+    call = record.call or {}
+    if call:  # what a sweeper asks with (`crewai-idempotent reconcile`)
+        said = [f"{k} {call[k]}" for k in ("tool", "reconciler") if call.get(k)]
+        rows.append(("reconcile", safe(", ".join([*said, "arguments recorded"]), lines=False)))
+    if record.reconciling is not None and record.reconciling[1] > now:
+        rows.append(("being asked", safe(f"by {record.reconciling[0]}", lines=False)))
     for name, value in rows:
         facts.add_row(safe(name, lines=False), value)
     out.print(facts)

@@ -32,6 +32,7 @@ from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._keys import fingerprint as _fingerprint
 from .._ledger import Ledger
 from .._policy import StalePolicy, _Options, check_seconds
+from .._reconcile import named
 from .._spend import SpendCap
 from ._gates import GateRules, gate_rules
 from ._ledgers import (
@@ -226,7 +227,9 @@ class ToolOptions:
     wait_s: float | None = None
     lease_s: float | None = None
     ttl: float | None = None
-    reconcile: Reconciler | None = None
+    # A callable, or its import path ("myapp.payments:find_charge"), which a sweeper in
+    # another process can find by.
+    reconcile: Reconciler | str | None = None
     on_stale: StalePolicy | None = None
     reconcile_timeout_s: float | None = None
     fingerprint: Fingerprinter | None = None
@@ -248,8 +251,13 @@ class ToolOptions:
         _check_seconds("wait_s", self.wait_s)
         _check_seconds("lease_s", self.lease_s, positive=True)
         _check_seconds("ttl", self.ttl, positive=True)
-        if self.reconcile is not None and not callable(self.reconcile):
-            raise TypeError("reconcile must be a callable (key, args) -> Found | Absent | Unknown")
+        if isinstance(self.reconcile, str):
+            object.__setattr__(self, "reconcile", named(self.reconcile))
+        elif self.reconcile is not None and not callable(self.reconcile):
+            raise TypeError(
+                "reconcile must be a callable (key, args) -> Found | Absent | Unknown, or its "
+                "import path ('package.module:function')"
+            )
         _check_on_stale(self.on_stale)
         _check_seconds("reconcile_timeout_s", self.reconcile_timeout_s, positive=True)
         if self.fingerprint is not None and not callable(self.fingerprint):
@@ -500,6 +508,7 @@ def _resolve(
         tool.reconcile,
         pick("on_stale"),
         pick("reconcile_timeout_s"),
+        tool=tool_name,
     )
     settings = Settings(
         ledger=ledger,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from crewai.tools.base_tool import Tool
 from pydantic import BaseModel, create_model
 
+from ..reconciliation._registry import remember_tool
 from . import _compat, _guard
 from ._call import GUARD_MARK, KEY_PARAMETER, fields_of, hide_key, stash_options
 from ._config import OPTION_NAMES, ToolOptions
@@ -111,6 +112,7 @@ def flag(tool: BaseTool, options: ToolOptions) -> None:
         )
     if not options.idempotent:
         return
+    remember_tool(name, options.reconcile)  # a sweeper in this process finds it by name
     schema = tool.args_schema
     if KEY_PARAMETER in getattr(schema, "model_fields", {}):
         # The model must never choose the key; the guard passes the derived one in.

@@ -1,0 +1,561 @@
+"""The sweeper: settles UNCERTAIN records and stale claims by asking their reconcilers.
+
+A pass reads the ledger's UNCERTAIN records and its PENDING ones whose lease lapsed, in a
+random order (so that sweepers started together start apart), and hands each to the
+ledger's own decision, `_Machine._sweep`, driven by the ledger's own drivers: the rules
+of who may settle a record, how it is fenced and what each answer writes live there,
+beside the transitions they race with. What this module decides is policy: which
+reconciler a record's tool has (`_registry.Finder`), how long to wait between asks once
+a reconciler answered Unknown (doubling from `backoff_s` to `max_backoff_s`, counted from
+the record's own history, so every sweeper on the ledger backs off alike), and when to
+raise an alarm (`_alerts`).
+
+Many sweepers may run on one ledger, on many hosts: a sweeper marks a record before it
+asks (a compare-and-set; the others leave a marked record alone until the mark lapses),
+and settles it with another compare-and-set, so each record is settled once, and an
+owner that renews its lease or commits meanwhile wins.
+
+`sweep()` is one pass; `watch()` repeats it until stopped; `start()` runs `watch()` on a
+thread of its own (inside another process: a web console, a worker); `asweep()` and
+`awatch()` are the same on an event loop, on the ledger's async driver and lanes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._backend import CacheBackend, url_of
+from .._errors import IdempotencyError, LedgerUnavailable
+from .._ledger import Ledger
+from .._policy import check_seconds
+from .._record import Record, Status, _whoami
+from .._results import decode
+from .._steps import Swept, _Ask
+from ._alerts import Alert, AlertChannel, count_swept, default_channels, report_open, send_all
+from ._registry import Finder, Reconciler, _Blocking, tool_of
+
+log = logging.getLogger("crewai_idempotent.reconciliation")
+
+OUTCOMES = ("found", "absent", "unknown", "left", "due", "skipped", "overtaken", "error")
+# Kinds of history event that keep a record open: it has been uncertain since the first of
+# a trailing run of them.
+_STILL_OPEN = ("uncertain", "unknown", "fenced", "late")
+
+
+@dataclass(frozen=True)
+class Result:
+    """What came of one record in a pass. `outcome` is one of `OUTCOMES` (see `Swept`;
+    "error": the ledger failed while the sweeper worked on it)."""
+
+    key: str
+    outcome: str
+    reason: str
+    tool: str | None = None
+    reconciler: str | None = None
+    record: Record | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass
+class Report:
+    """One pass: a result per record looked at, the alerts raised, and `error` when the
+    ledger could not be read at all."""
+
+    ledger: str
+    dry_run: bool
+    started: float
+    finished: float = 0.0
+    results: list[Result] = field(default_factory=list)
+    alerts: list[Alert] = field(default_factory=list)
+    error: str | None = None
+    open_uncertain: int | None = None  # UNCERTAIN records left in the ledger after the pass
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(OUTCOMES, 0)
+        for result in self.results:
+            counts[result.outcome] += 1
+        return counts
+
+    @property
+    def settled(self) -> int:
+        counts = self.counts()
+        return counts["found"] + counts["absent"]
+
+    def summary(self) -> str:
+        if self.error is not None:
+            return f"{self.ledger}: not swept: {self.error}"
+        counts = {k: v for k, v in self.counts().items() if v}
+        said = ", ".join(f"{n} {k}" for k, n in counts.items()) or "nothing to settle"
+        verb = "would ask about" if self.dry_run else "looked at"
+        return f"{self.ledger}: {verb} {len(self.results)} record(s): {said}"
+
+
+class Progress:
+    """What a pass reports as it goes (the CLI draws a progress bar from it)."""
+
+    def started(self, total: int) -> None:
+        pass
+
+    def done(self, result: Result) -> None:
+        pass
+
+
+class Sweeper:
+    """Settles a ledger's UNCERTAIN records and stale claims through their reconcilers.
+
+    `ledger`: a `Ledger`, a `CacheBackend` or a ledger URL. Reconcilers are found by tool
+    name in `reconcilers`, in what `imports` register and in the entry points, else by
+    the import path a record names when it is under `imports` or `trust`
+    (`_registry`). Each is asked for at most `timeout_s` (default: the ledger's
+    `reconcile_timeout_s`, else 30 s); an Unknown answer is asked again after `backoff_s`,
+    doubling up to `max_backoff_s`. Alerts (`_alerts`) go to `channels` (default: the log
+    and OpenTelemetry): a record open for `alert_after_s`, a reconciler that answered
+    Unknown `alert_unknowns` times in a row, an unreachable ledger; the same condition is
+    said again after `alert_every_s`. `tools` and `keys` narrow a pass; `dry_run` asks
+    nothing and writes nothing, and says what it would ask. `concurrency`: how many
+    records one pass works on at once.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger | CacheBackend | str,
+        *,
+        reconcilers: Mapping[str, Reconciler | str] | None = None,
+        imports: Iterable[str] = (),
+        trust: Iterable[str] = (),
+        entry_points: bool = True,
+        timeout_s: float | None = None,
+        backoff_s: float = 60.0,
+        max_backoff_s: float = 3600.0,
+        alert_after_s: float = 3600.0,
+        alert_unknowns: int = 3,
+        alert_every_s: float = 3600.0,
+        channels: Iterable[AlertChannel] | None = None,
+        concurrency: int = 4,
+        tools: Iterable[str] | None = None,
+        keys: Iterable[str] | None = None,
+        dry_run: bool = False,
+    ) -> None:
+        self._owns = not isinstance(ledger, Ledger)
+        if isinstance(ledger, str):
+            from ..backends._url import backend_from_url
+
+            ledger = backend_from_url(ledger)
+        self.ledger = ledger if isinstance(ledger, Ledger) else Ledger(ledger)
+        self.finder = Finder(reconcilers, imports=imports, trust=trust, entry_points=entry_points)
+        timeout = timeout_s if timeout_s is not None else self.ledger.reconcile_timeout_s
+        self.timeout_s = 30.0 if timeout is None else float(timeout)
+        for name, value in (
+            ("timeout_s", self.timeout_s),
+            ("backoff_s", backoff_s),
+            ("max_backoff_s", max_backoff_s),
+            ("alert_after_s", alert_after_s),
+            ("alert_every_s", alert_every_s),
+        ):
+            check_seconds(name, value, positive=name == "timeout_s")
+        if isinstance(alert_unknowns, bool) or not isinstance(alert_unknowns, int):
+            raise TypeError(f"alert_unknowns must be a whole number, not {alert_unknowns!r}")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be 1 or more (a whole number), not {concurrency!r}")
+        self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
+        self.alert_after_s, self.alert_unknowns = float(alert_after_s), alert_unknowns
+        self.alert_every_s = float(alert_every_s)
+        self.channels = list(default_channels() if channels is None else channels)
+        self.concurrency = concurrency
+        self.tools = None if tools is None else frozenset(tools)
+        self.keys = None if keys is None else frozenset(keys)
+        self.dry_run = dry_run
+        # How long another sweeper leaves a record alone once this one marked it: long
+        # enough for the answer, short enough that a sweeper that died is soon replaced.
+        self.hold_s = self.timeout_s + 60.0
+        self._alerted: dict[str, float] = {}
+        self._alert_lock = threading.Lock()
+        self._name: tuple[int, str] | None = None
+
+    def __repr__(self) -> str:
+        return f"Sweeper({url_of(self.ledger.backend)})"
+
+    @property
+    def url(self) -> str:
+        return url_of(self.ledger.backend)
+
+    @property
+    def by(self) -> str:
+        """Who this sweeper is in the records' history (and in the marks it writes)."""
+        pid = os.getpid()
+        if self._name is None or self._name[0] != pid:  # a forked child is another sweeper
+            self._name = (pid, f"sweeper {_whoami()}:{pid}:{secrets.token_hex(3)}")
+        return self._name[1]
+
+    def close(self) -> None:
+        """Close the ledger, if the sweeper opened it."""
+        if self._owns:
+            self.ledger.close()
+
+    def __enter__(self) -> Sweeper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one pass ------------------------------------------------------------------------
+
+    def sweep(self, progress: Progress | None = None) -> Report:
+        """One pass over the ledger; the report says what came of every record."""
+        progress = progress or Progress()
+        report = Report(self.url, self.dry_run, time.time())
+        ledger = self.ledger
+        try:
+            found = ledger.records(Status.UNCERTAIN) + ledger.records(Status.PENDING)
+            candidates = self._candidates(found, ledger.backend.now())
+        except IdempotencyError as exc:
+            return self._unreachable(report, exc)
+        progress.started(len(candidates))
+        by = self.by
+        if self.concurrency == 1 or len(candidates) < 2:
+            for record in candidates:
+                result = self._one(record, by)
+                self._record(report, progress, result, self._now())
+        else:
+            with concurrent.futures.ThreadPoolExecutor(
+                self.concurrency, thread_name_prefix="crewai-idempotent-sweep"
+            ) as pool:
+                futures = [pool.submit(self._one, record, by) for record in candidates]
+                for future in concurrent.futures.as_completed(futures):
+                    self._record(report, progress, future.result(), self._now())
+        try:
+            open_now = len(ledger.records(Status.UNCERTAIN))
+        except IdempotencyError as exc:
+            return self._unreachable(report, exc)
+        return self._finish(report, open_now)
+
+    async def asweep(self, progress: Progress | None = None) -> Report:
+        """`sweep` on the event loop: the ledger's async driver, its lanes, the same
+        decisions. Up to `concurrency` records at once, as tasks."""
+        progress = progress or Progress()
+        report = Report(self.url, self.dry_run, time.time())
+        ledger = self.ledger
+        io = ledger._lanes.io
+        try:
+            found = list(await ledger._adrive(ledger._scan(Status.UNCERTAIN), io))
+            found += list(await ledger._adrive(ledger._scan(Status.PENDING), io))
+            candidates = self._candidates(found, await self._anow())
+        except IdempotencyError as exc:
+            return self._unreachable(report, exc)
+        progress.started(len(candidates))
+        by = self.by
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def one(record: Record) -> None:
+            async with limit:
+                result = await self._aone(record, by)
+            self._record(report, progress, result, await self._anow())
+
+        await asyncio.gather(*(one(record) for record in candidates))
+        try:
+            open_now = len(await ledger._adrive(ledger._scan(Status.UNCERTAIN), io))
+        except IdempotencyError as exc:
+            return self._unreachable(report, exc)
+        return self._finish(report, open_now)
+
+    def _now(self) -> float:
+        try:
+            return self.ledger.backend.now()
+        except Exception:  # noqa: BLE001 - the store's clock, when it cannot be read
+            return time.time()
+
+    async def _anow(self) -> float:
+        """The store's clock without a round trip on the loop (a server clock is read on
+        one of the ledger's lanes when a reading is due)."""
+        if not self.ledger.backend.now_blocks():
+            return self._now()
+        return await asyncio.wrap_future(self.ledger._lanes.io().submit(self._now))
+
+    def _candidates(self, found: list[Record], now: float) -> list[Record]:
+        """The records a pass looks at: UNCERTAIN ones and PENDING ones whose lease lapsed
+        (a live owner's are not even looked at), narrowed by `tools` and `keys`, shuffled."""
+        host = self.ledger.backend.host_clock
+        chosen = []
+        for record in found:
+            if self.keys is not None and record.key not in self.keys:
+                continue
+            if self.tools is not None and tool_of(record) not in self.tools:
+                continue
+            if record.status is Status.PENDING:
+                try:
+                    if record.lease_live(now, host):
+                        continue
+                except LedgerUnavailable:
+                    continue  # a live lease another host holds: not this host's to judge
+            chosen.append(record)
+        random.shuffle(chosen)
+        return chosen
+
+    def _one(self, record: Record, by: str) -> Result:
+        pick, chosen = self._picker(on_loop=False)
+        try:
+            swept = self.ledger._drive(
+                self.ledger._sweep(record.key, pick, by, self.hold_s, self.dry_run)
+            )
+        except IdempotencyError as exc:
+            return Result(record.key, "error", str(exc), tool_of(record), chosen[0], record)
+        return self._result(record, swept, chosen[0])
+
+    async def _aone(self, record: Record, by: str) -> Result:
+        pick, chosen = self._picker(on_loop=True)
+        ledger = self.ledger
+        try:
+            steps = ledger._sweep(record.key, pick, by, self.hold_s, self.dry_run)
+            swept = await ledger._adrive(steps, ledger._lanes.settle)
+        except IdempotencyError as exc:
+            return Result(record.key, "error", str(exc), tool_of(record), chosen[0], record)
+        return self._result(record, swept, chosen[0])
+
+    def _picker(self, on_loop: bool) -> tuple[Callable[[Record], _Ask | str], list[str | None]]:
+        """The sweeper's half of the decision: which reconciler, with what, and whether
+        now. `chosen[0]` says afterwards which reconciler it was. `on_loop`: for the async
+        driver, which awaits an async reconciler on the loop."""
+        chosen: list[str | None] = [None]
+
+        def pick(record: Record) -> _Ask | str:
+            reconciler, what = self.finder.find(record)
+            if reconciler is None:
+                return what
+            chosen[0] = what
+            unknowns, last = unknown_answers(record)
+            if unknowns:
+                wait = min(self.backoff_s * 2 ** (unknowns - 1), self.max_backoff_s)
+                left = last + wait - self.ledger.backend.now()
+                if left > 0:
+                    return (
+                        f"backing off: its reconciler answered Unknown {unknowns} time(s) in "
+                        f"a row; asked again in {left:.0f} s"
+                    )
+            try:
+                args = arguments(record)
+            except Exception as exc:  # noqa: BLE001 - what cannot be decoded is not guessed
+                return f"its recorded arguments cannot be read here: {type(exc).__name__}: {exc}"
+            if on_loop and isinstance(reconciler, _Blocking):
+                reconciler = reconciler.coroutine
+            return _Ask(reconciler, record.key, args, self.timeout_s, record)
+
+        return pick, chosen
+
+    def _result(self, record: Record, swept: Swept, reconciler: str | None) -> Result:
+        return Result(
+            record.key, swept.outcome, swept.reason, tool_of(record), reconciler,
+            swept.record if swept.record is not None else record,
+        )  # fmt: skip
+
+    def _record(self, report: Report, progress: Progress, result: Result, now: float) -> None:
+        report.results.append(result)
+        if not self.dry_run:
+            count_swept(result.outcome, result.tool, self.ledger.backend)
+            report.alerts.extend(self._alerts_for(result, now))
+        try:
+            progress.done(result)
+        except Exception:  # a progress display never stops a pass
+            log.exception("the sweep's progress display failed")
+
+    def _finish(self, report: Report, open_now: int) -> Report:
+        report.open_uncertain = open_now
+        report.finished = time.time()
+        self._reachable()
+        report_open(self.ledger.backend, open_now)
+        return report
+
+    def _unreachable(self, report: Report, exc: Exception) -> Report:
+        report.error = str(exc) or type(exc).__name__
+        report.finished = time.time()
+        alert = Alert("ledger_unreachable", f"the sweeper cannot read the ledger: {exc}", self.url)
+        if self._alert(alert.id, alert):
+            report.alerts.append(alert)
+        return report
+
+    # -- alerts --------------------------------------------------------------------------
+
+    def _alerts_for(self, result: Result, now: float) -> list[Alert]:
+        record = result.record
+        if record is None or result.outcome in ("found", "absent", "overtaken", "error"):
+            return []
+        if record.status not in (Status.UNCERTAIN, Status.PENDING):
+            return []
+        age = now - open_since(record)
+        unknowns, _ = unknown_answers(record)
+        raised = []
+        if age >= self.alert_after_s:
+            what = "UNCERTAIN" if record.status is Status.UNCERTAIN else "a stale claim"
+            alert = Alert(
+                "uncertain_too_long",
+                f"{what} for {age:.0f} s (threshold {self.alert_after_s:g} s): "
+                f"{result.reason or record.error or 'nothing settled it'}",
+                self.url, record.key, record, result.tool, age, unknowns,
+            )  # fmt: skip
+            raised.append(alert)
+        if self.alert_unknowns and unknowns >= self.alert_unknowns:
+            last = next((e for e in reversed(record.history) if e.kind == "unknown"), None)
+            said = last.note if last is not None else result.reason
+            alert = Alert(
+                "verifier_unknown",
+                f"its reconciler ({result.reconciler or 'unknown'}) answered Unknown "
+                f"{unknowns} time(s) in a row; the last: {said}",
+                self.url, record.key, record, result.tool, age, unknowns,
+            )  # fmt: skip
+            raised.append(alert)
+        return [alert for alert in raised if self._alert(alert.id, alert)]
+
+    def _alert(self, alert_id: str, alert: Alert) -> bool:
+        """Send `alert` unless the same condition was said less than `alert_every_s` ago."""
+        with self._alert_lock:
+            now = time.monotonic()
+            last = self._alerted.get(alert_id)
+            if last is not None and now - last < self.alert_every_s:
+                return False
+            self._alerted[alert_id] = now
+        send_all(self.channels, alert)
+        return True
+
+    def _reachable(self) -> None:
+        """The ledger answered: an outage alerted before is over (the next one is said)."""
+        unreachable = Alert("ledger_unreachable", "", self.url).id
+        with self._alert_lock:
+            was = self._alerted.pop(unreachable, None)
+        if was is not None:
+            log.warning("the sweeper reads %s again", self.url)
+
+    # -- again and again ------------------------------------------------------------------
+
+    def watch(
+        self,
+        interval_s: float = 30.0,
+        *,
+        stop: threading.Event | None = None,
+        passes: int | None = None,
+        on_report: Callable[[Report], None] | None = None,
+    ) -> None:
+        """Sweep every `interval_s` seconds until `stop` is set (or `passes` are done). A
+        ledger that does not answer is an alert and a pass that ends early, never the end
+        of the watch."""
+        check_seconds("interval_s", interval_s)
+        stop = stop or threading.Event()
+        done = 0
+        while not stop.is_set():
+            try:
+                report = self.sweep()
+            except Exception:  # a watch outlives any one pass
+                log.exception("a sweep of %s failed", self.url)
+            else:
+                if on_report is not None:
+                    on_report(report)
+            done += 1
+            if passes is not None and done >= passes:
+                return
+            stop.wait(interval_s)
+
+    def start(self, interval_s: float = 30.0) -> Watching:
+        """`watch` on a daemon thread of its own: for a process that does other work (a
+        console, a worker). Stop it with `.stop()`."""
+        check_seconds("interval_s", interval_s)
+        return Watching(self, interval_s)
+
+    async def awatch(
+        self,
+        interval_s: float = 30.0,
+        *,
+        stop: asyncio.Event | None = None,
+        passes: int | None = None,
+        on_report: Callable[[Report], None] | None = None,
+    ) -> None:
+        """`watch` on the event loop (`asweep` every `interval_s`), until `stop` is set,
+        `passes` are done, or the task is cancelled."""
+        check_seconds("interval_s", interval_s)
+        stop = stop or asyncio.Event()
+        done = 0
+        while not stop.is_set():
+            try:
+                report = await self.asweep()
+            except Exception:  # a watch outlives any one pass
+                log.exception("a sweep of %s failed", self.url)
+            else:
+                if on_report is not None:
+                    on_report(report)
+            done += 1
+            if passes is not None and done >= passes:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+
+
+class Watching:
+    """A sweeper watching on a thread of its own (`Sweeper.start`)."""
+
+    def __init__(self, sweeper: Sweeper, interval_s: float) -> None:
+        self.sweeper = sweeper
+        self.reports: list[Report] = []  # the last few passes, newest last
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=sweeper.watch,
+            args=(interval_s,),
+            kwargs={"stop": self._stop, "on_report": self._keep},
+            name="crewai-idempotent-sweeper",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _keep(self, report: Report) -> None:
+        self.reports = [*self.reports[-9:], report]
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the pass in progress (if any) and wait up to `timeout` for it."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+# -- what a record says about its reconciliation ------------------------------------------
+
+
+def unknown_answers(record: Record) -> tuple[int, float]:
+    """How many times in a row a sweeper's reconciler answered Unknown for the record's
+    current operation, and when it last did (0, 0.0 when it has not)."""
+    count, last = 0, 0.0
+    for event in reversed(record.history):
+        if event.kind != "unknown" or event.token != record.token:
+            break
+        count += 1
+        last = last or event.at
+    return count, last
+
+
+def open_since(record: Record) -> float:
+    """When the record's outcome became open: the first of its trailing uncertain events
+    (a stale claim: when its lease lapsed), on the store's clock."""
+    if record.status is Status.PENDING:
+        return record.lease_expires_at or record.updated_at
+    since = None
+    for event in reversed(record.history):
+        if event.kind not in _STILL_OPEN:
+            break
+        since = event.at
+    return since if since is not None else record.updated_at
+
+
+def arguments(record: Record) -> Any:
+    """The call's arguments as its claim recorded them (None when it did not)."""
+    call = record.call
+    if not call or "args" not in call:
+        return None
+    return decode(call["args"])
