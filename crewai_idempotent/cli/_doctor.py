@@ -143,7 +143,8 @@ def _local_files(where: Where, out: _Report) -> list[tuple[Path, bool]]:
     if scheme == "sqlite":
         sidecars = [(Path(f"{path}{suffix}"), False) for suffix in ("-wal", "-shm")]
         return [(path.parent, True), (path, True), *sidecars]
-    return [(path, True), (path / "records", True), (path / "locks", True), (path / "tmp", False)]
+    made = [(path / "tmp", False), (path / "documents", False)]
+    return [(path, True), (path / "records", True), (path / "locks", True), *made]
 
 
 def _mode_facts(path: Path, required: bool, out: _Report) -> None:
