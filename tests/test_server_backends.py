@@ -225,7 +225,7 @@ def test_documents_are_scanned_by_their_index_under_a_linguistic_collation(
     admin.execute(f'ANALYZE "{table}"')
     admin.execute("SET enable_seqscan = off")  # a tiny table: make the planner show its choice
     plan = admin.execute(
-        f'EXPLAIN SELECT doc FROM "{table}" WHERE key LIKE \'crewai-idempotent/%\' '
+        f"EXPLAIN SELECT doc FROM \"{table}\" WHERE key LIKE 'crewai-idempotent/%' "
         "AND key ~>=~ 'crewai-idempotent/outbox/' AND key ~<~ 'crewai-idempotent/outbox0'"
     ).fetchall()
     assert "_docs" in " ".join(row[0] for row in plan), plan

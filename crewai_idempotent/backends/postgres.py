@@ -608,6 +608,7 @@ class PostgresCacheBackend(CacheBackend):
 
     def scan_prefix(self, prefix: str) -> Iterator[Record]:
         end = prefix_end(prefix)
+        params: tuple[str, ...]
         if end is not None and prefix.startswith(DOCUMENTS):
             self._check_documents_index()
             query, params = self._sql.scan_documents, (prefix, end)

@@ -409,7 +409,8 @@ class RedisCacheBackend(CacheBackend):
                     def step(_resent: bool, index: str = index, at: int = cursor) -> Any:
                         at, found = client.zscan(index, at, match=f"{DOCUMENTS}*", count=1000)
                         if found:
-                            client.zadd(documents, {member: 0 for member, _score in found})
+                            members: dict[Any, float] = {m: 0 for m, _score in found}
+                            client.zadd(documents, members)
                         return at
 
                     cursor = self._call("indexing documents", step)

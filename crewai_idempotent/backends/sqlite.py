@@ -501,10 +501,8 @@ class SQLiteCacheBackend(CacheBackend):
     def scan_prefix(self, prefix: str) -> Iterator[Record]:
         # A range of the primary key: TEXT compares as UTF-8 bytes, code point order.
         end = prefix_end(prefix)
-        if end is None:
-            sql, params = _SCAN_FROM, (prefix,)
-        else:
-            sql, params = _SCAN_RANGE, (prefix, end)
+        sql: str = _SCAN_RANGE if end is not None else _SCAN_FROM
+        params: tuple[str, ...] = (prefix,) if end is None else (prefix, end)
         rows = self._guard(_fetch_all, sql, params)
         return iter([self._decode(row[0]) for row in rows])
 
