@@ -40,6 +40,7 @@ from ._record import Event, HostDeadline, Owner, Peek, Record, Status, _label, _
 from ._results import decode, encode
 from ._rooms import _UNKNOWN, _Room, _Rooms
 from ._steps import _MISSING, Outcome, Step, _Ask, _Call, _Park, _Sleep
+from .notifications import _outbox
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -324,6 +325,8 @@ class _Machine:
             result=None,
             error=None,
         )
+        if held.status is Status.UNCERTAIN:  # a reconciler found it absent
+            yield from self._noted(held, new)
         if (yield _Call(self.backend.replace, held, new, claims=new)):
             self._rooms.publish(new.key, new)
             self._emit("claim", new)
@@ -343,6 +346,7 @@ class _Machine:
             lease_expires_at=None,
             error=reason,
         )
+        yield from self._noted(held, new)
         if (yield _Call(self.backend.replace, held, new)):
             if unanswered is not None:
                 unanswered.unanswered = new
@@ -367,6 +371,7 @@ class _Machine:
                 result=encode(verdict.result),
                 error=None,
             )
+            yield from self._noted(held, new)
             if (yield _Call(self.backend.replace, held, new)):
                 self._rooms.publish(new.key, new)
                 self._emit("reconciled", new)
@@ -415,10 +420,14 @@ class _Machine:
                 expires_at=current.expires_at,
                 host_expires=current.host_expires,
             )
+        # A commit from PENDING is never news for a person; an unknown outcome is.
+        noted = () if status is Status.COMMITTED else _outbox.of_transition(current, new)
         deadline = self._monotonic() + self.commit_retry_s
         delay = 0.05
         while True:
             try:
+                if noted:
+                    yield _Call(_outbox.put_entries, self.backend, noted)
                 stored = yield _Call(self.backend.replace, current, new)
                 break
             except LedgerUnavailable:
@@ -481,6 +490,7 @@ class _Machine:
                     status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
                     error=note, needs_operator=True, evidence=(*mine.evidence, evidence),
                 )  # fmt: skip
+                yield from self._noted(None, new)
                 if (yield _Call(self.backend.insert, new)) is None:
                     self._rooms.publish(new.key, new)
                     break
@@ -490,6 +500,7 @@ class _Machine:
                 status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
                 error=note, needs_operator=True, evidence=(*held.evidence, evidence),
             )  # fmt: skip
+            yield from self._noted(held, new)
             if (yield _Call(self.backend.replace, held, new)):
                 self._rooms.publish(new.key, new)
                 break
@@ -534,6 +545,7 @@ class _Machine:
                 Event(now, "uncertain", held.token, _label(mine), reason or ""),
                 status=Status.UNCERTAIN, error=reason, updated_at=now, lease_expires_at=None,
             )  # fmt: skip
+        yield from self._noted(held, new)
         if (yield _Call(self.backend.replace, held, new)):
             self._rooms.publish(new.key, new)
             self._emit("commit" if new.status is Status.COMMITTED else "uncertain", new)
@@ -567,6 +579,7 @@ class _Machine:
                     expires_at=now + self.ttl if self.ttl else None,  # as a commit would
                     host_expires=self._host_expiry(self.ttl),
                 )  # fmt: skip
+            yield from self._noted(held, new)
             if (yield _Call(self.backend.replace, held, new)):
                 self._rooms.publish(new.key, new)
                 self._emit("resolve", new)
@@ -596,6 +609,13 @@ class _Machine:
         if (yield _Call(self.backend.replace, claim, released)):
             self._rooms.publish(claim.key, released)
             self._emit("fail", released)
+
+    def _noted(self, held: Record | None, new: Record) -> Step[None]:
+        """What the write of `new` over `held` means for a person goes to the outbox
+        before `new` is written: its entry is delivered if and only if the write lands."""
+        entries = _outbox.of_transition(held, new)
+        if entries:
+            yield _Call(_outbox.put_entries, self.backend, entries)
 
     def _emit(self, kind: str, record: Record) -> None:
         if not self._listeners:
