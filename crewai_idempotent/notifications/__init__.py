@@ -13,9 +13,29 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from ._channels import (
+        ENV,
+        Channel,
+        DeliveryFailed,
+        channel_from_url,
+        channels_from,
+        register,
+    )
+    from ._dispatch import Dispatcher, Pass
+    from ._message import Message, approval_link
     from ._outbox import TYPES, Delivery, Entry, Outbox, alert, put
 
 _LAZY = {
+    "ENV": "._channels",
+    "Channel": "._channels",
+    "DeliveryFailed": "._channels",
+    "channel_from_url": "._channels",
+    "channels_from": "._channels",
+    "register": "._channels",
+    "Dispatcher": "._dispatch",
+    "Pass": "._dispatch",
+    "Message": "._message",
+    "approval_link": "._message",
     "TYPES": "._outbox",
     "Delivery": "._outbox",
     "Entry": "._outbox",
@@ -26,4 +46,21 @@ _LAZY = {
 
 __getattr__ = lazy_attributes(__name__, _LAZY)
 
-__all__ = ["TYPES", "Delivery", "Entry", "Outbox", "alert", "put"]
+__all__ = [
+    "ENV",
+    "TYPES",
+    "Channel",
+    "Delivery",
+    "DeliveryFailed",
+    "Dispatcher",
+    "Entry",
+    "Message",
+    "Outbox",
+    "Pass",
+    "alert",
+    "approval_link",
+    "channel_from_url",
+    "channels_from",
+    "put",
+    "register",
+]
