@@ -43,7 +43,7 @@ from .._backend import CacheBackend
 from .._hostclock import HostClock
 from .._record import Record, Status
 from .._results import encode
-from . import _telemetry
+from . import _incidents, _telemetry
 from ._channels import Channel, DeliveryFailed, channels_from
 from ._message import Message
 from ._outbox import (
@@ -62,6 +62,7 @@ log = logging.getLogger("crewai_idempotent")
 _LOG_KEPT = 50  # tries kept in an entry's log; `tries` counts them all
 _MARGIN_S = 1.0  # a try starts only if it can end this long before the claim lapses
 _RECHECK_MAX_S = 60.0  # an unconfirmed entry is looked at again at least this often
+_SOON_S = 0.05  # after an entry written in this process, the pause before looking
 
 Listener = Callable[[str, Entry], None]
 
@@ -139,6 +140,7 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self._recheck: dict[str, tuple[float, float]] = {}  # id: (next look, pause)
         self._pruned_at = float("-inf")
+        self._soon = False
         self.last: Pass = Pass()
         _telemetry.watch(self)
 
@@ -165,9 +167,18 @@ class Dispatcher:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
-    def wake(self) -> None:
-        """Run the next pass now (an entry was just written in this process)."""
+    def wake(self, soon: bool = False) -> None:
+        """Run the next pass now; `soon`: in a moment, for an entry just written in this
+        process, whose transition is written right after it."""
+        if soon:
+            self._soon = True
         self._wake.set()
+
+    def forked(self) -> None:
+        """In a forked child: the parent's thread and locks are the parent's."""
+        self._lock = threading.Lock()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread = None
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Run passes every `poll_s` until `stop` (or `stop()`) is set. A pass that fails
@@ -183,6 +194,10 @@ class Dispatcher:
                 pause = min(pause * 2, 60.0)
             self._wait(pause)
             self._wake.clear()
+            if self._soon:  # written here a moment ago: look once its transition is too
+                self._soon = False
+                self._stop.wait(_SOON_S)
+                self._recheck.clear()
 
     def _wait(self, seconds: float) -> None:
         if self._clock is not None and hasattr(self._clock, "wait"):
@@ -197,13 +212,13 @@ class Dispatcher:
         ledger does not answer (nothing is lost: the next pass starts over)."""
         with self._lock:
             done = Pass()
+            self._prune()
             # Oldest first: a person reads "asked" before "approved" (a failed try of one
             # entry never holds back the next: each has its own schedule).
             entries = sorted(pending(self.backend), key=lambda e: _order(e[1]))
             for record, doc in entries:
                 self._one(record, doc, done)
             done.pending = len(entries) - done.delivered - done.voided
-            self._prune()
             self.last = done
             return done
 
@@ -385,10 +400,13 @@ class Dispatcher:
             self._tell("delivered", final)
 
     def _prune(self) -> None:
-        """Delivered entries older than `retain_s` go, once an hour."""
+        """Once an hour (and at the first pass): delivered entries older than `retain_s`
+        go, and what processes of this host that died during an outage of this ledger
+        left in their spool comes in (`_incidents`)."""
         if self._monotonic() - self._pruned_at < 3600.0:
             return
         self._pruned_at = self._monotonic()
+        _incidents.flush_spools(self.backend)
         cutoff = self.backend.now() - self.retain_s
         for record, doc in delivered(self.backend):
             if float(doc.get("delivered_at") or doc["at"]) < cutoff:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,14 @@ def put_entries(backend: CacheBackend, entries: Iterable[Record]) -> None:
     """Insert entries (insert-if-absent: one already there is the same entry)."""
     for entry in entries:
         backend.insert(entry)
+    _wake(backend)
+
+
+def _wake(backend: CacheBackend) -> None:
+    # Only where this process runs a dispatcher of its own (`_inprocess`): never loaded here.
+    running = sys.modules.get("crewai_idempotent.notifications._inprocess")
+    if running is not None:
+        running.wake(backend)
 
 
 # -- what a record's transition means (the ledger's machine) ----------------------------
@@ -216,6 +225,7 @@ def put(
             return Entry.of(_doc(sent))
     record = _entry(entry_id, type, backend.now(), subject, _json(data), None)
     held = backend.insert(record)
+    _wake(backend)
     return Entry.of(_doc(record if held is None else held))
 
 
