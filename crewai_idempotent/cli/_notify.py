@@ -130,7 +130,7 @@ def notifications() -> None:
     """The outbox: what needs a person, and how each delivery went."""
 
 
-_STATES = ("pending", "delivered", "failing", "all")
+_STATES = ("pending", "delivered", "failing", "waiting", "all")
 
 
 @notifications.command("ls")
@@ -139,7 +139,8 @@ _STATES = ("pending", "delivered", "failing", "all")
     type=click.Choice(_STATES, case_sensitive=False),
     default="all",
     show_default=True,
-    help="pending: not yet delivered everywhere; failing: a try failed and none succeeded since.",
+    help="pending: not yet delivered everywhere; failing: a try failed and none succeeded "
+    "since; waiting: written before a transition that has not happened (yet).",
 )
 @click.option("--type", "type_", metavar="PATTERN", help="Only types matching (approval.*).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
@@ -148,11 +149,13 @@ def list_notifications(where: Where, state: str, type_: str | None, as_json: boo
     """Every entry of the outbox, oldest first, with each channel's deliveries."""
     import fnmatch
 
-    with ledger_errors(where.scrub):
-        entries = Outbox(where.ledger().backend).entries()
-        now = where.ledger().backend.now()
     wanted = state.lower()
-    if wanted == "pending":
+    with ledger_errors(where.scrub):
+        entries = Outbox(where.ledger().backend).entries(waiting=wanted == "waiting")
+        now = where.ledger().backend.now()
+    if wanted == "waiting":
+        entries = [e for e in entries if e.state == "unconfirmed"]
+    elif wanted == "pending":
         entries = [e for e in entries if e.state != "delivered"]
     elif wanted == "delivered":
         entries = [e for e in entries if e.state == "delivered"]
@@ -170,7 +173,7 @@ def list_notifications(where: Where, state: str, type_: str | None, as_json: boo
         return
     for entry in entries:
         deliveries = ", ".join(
-            f"{d.channel} {d.state}" + (f" after {d.attempts} tries" if d.attempts > 1 else "")
+            f"{d.channel} {d.state}" + (f" after {_tries(d.attempts)}" if d.attempts > 1 else "")
             for d in entry.deliveries
         ) or ("waiting for its transition" if entry.state == "unconfirmed" else "not yet tried")
         line = (
@@ -208,7 +211,7 @@ def show_notification(where: Where, entry_id: str, as_json: bool) -> None:
     for d in entry.deliveries:
         when = f" at {stamp(d.delivered_at)}" if d.delivered_at else ""
         nxt = f", next try {stamp(d.next_at)}" if d.next_at and d.state != "delivered" else ""
-        click.echo(safe(f"  {d.channel}: {d.state}{when} after {d.attempts} tries{nxt}"))
+        click.echo(safe(f"  {d.channel}: {d.state}{when} after {_tries(d.attempts)}{nxt}"))
     click.echo(f"  tries ({entry.tries} in all, the latest {len(entry.log)} kept):")
     for one in entry.log:
         outcome = "delivered" if one.get("ok") else f"failed: {one.get('error')}"
@@ -220,6 +223,10 @@ def show_notification(where: Where, entry_id: str, as_json: bool) -> None:
             )
         )
     click.echo(safe("  data: " + json.dumps(entry.data, sort_keys=True, default=str)[:2000]))
+
+
+def _tries(n: int) -> str:
+    return f"{n} try" if n == 1 else f"{n} tries"
 
 
 def _doc(entry: Entry) -> dict[str, Any]:

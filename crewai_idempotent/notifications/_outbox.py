@@ -401,14 +401,15 @@ class Outbox:
     def __init__(self, backend: CacheBackend) -> None:
         self.backend = backend
 
-    def entries(self, *, include_delivered: bool = True) -> list[Entry]:
-        """Every entry whose transition happened (unconfirmed ones are looked up, and
-        shown as due once their transition is seen), oldest first."""
+    def entries(self, *, include_delivered: bool = True, waiting: bool = False) -> list[Entry]:
+        """Every entry whose transition happened, oldest first: an unconfirmed one is
+        looked up, and shown as due once its transition is seen. With `waiting`, those
+        whose transition has not happened yet (and may never) too, as "unconfirmed"."""
         found = []
         for _record, doc in pending(self.backend):
             if doc["state"] == "unconfirmed":
                 verdict = confirmation(self.backend, doc)
-                if verdict == VOID:
+                if verdict == VOID or (verdict == WAITING and not waiting):
                     continue
                 if verdict == HAPPENED:
                     doc = {**doc, "state": "due"}
@@ -418,6 +419,7 @@ class Outbox:
         return sorted(found, key=lambda e: (e.at, e.seq, e.id))
 
     def get(self, entry_id: str) -> Entry | None:
+        """The entry, if its transition happened (or if it waits for one: "unconfirmed")."""
         check_id(entry_id)
         for prefix in (OUTBOX, DELIVERED):
             record = self.backend.get(prefix + entry_id)
