@@ -312,3 +312,14 @@ def test_a_dispatcher_without_channels_or_with_a_short_lease_is_refused() -> Non
     hook = "webhook+https://x.example.com/h#secret=whsec_c2VjcmV0&timeout_s=20"
     with pytest.raises(ValueError, match="lease_s=10"):
         Dispatcher(backend, [hook], lease_s=10)
+
+
+def test_one_setting_may_hold_several_channels() -> None:
+    from crewai_idempotent.notifications import channels_from
+
+    hook = "webhook+https://x.example.com/h#secret=whsec_c2VjcmV0&types=approval.*,record.*"
+    found = channels_from(f"{hook}, slack+https://hooks.slack.com/services/x apprise+json://h")
+    assert [c.scheme for c in found] == ["webhook", "slack", "apprise"]
+    assert found[0].types == ("approval.*", "record.*")  # the comma inside it stays
+    with pytest.raises(LedgerConfigurationError, match="named alike"):
+        channels_from([hook, hook])

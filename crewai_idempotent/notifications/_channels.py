@@ -82,6 +82,9 @@ class Channel(ABC):
 
 
 _CHANNELS: dict[str, Callable[[str, Mapping[str, str]], Channel]] = {}
+# URLs in one string are separated by spaces, or by a comma before the next channel (a
+# comma inside a URL, as in `types=approval.*,record.*`, stays in it).
+_SEPARATOR = re.compile(r"\s+|,\s*(?=[A-Za-z][A-Za-z0-9.-]*\+)")
 
 
 def register(scheme: str, make: Callable[[str, Mapping[str, str]], Channel]) -> None:
@@ -129,7 +132,7 @@ def channel_from_url(url: str) -> Channel:
 
 def channels_from(value: Any, where: str = "notify") -> tuple[Channel, ...]:
     """Channels from a setting: a URL, a `Channel`, or a list of them (a string may hold
-    several URLs, separated by spaces or commas)."""
+    several URLs, separated by spaces, or by commas before each next `channel+`)."""
     if value is None:
         return ()
     items: Iterable[Any] = [value] if isinstance(value, str | Channel) else value
@@ -140,7 +143,7 @@ def channels_from(value: Any, where: str = "notify") -> tuple[Channel, ...]:
         if isinstance(item, Channel):
             found.append(item)
         elif isinstance(item, str):
-            found += [channel_from_url(u) for u in re.split(r"[\s,]+", item.strip()) if u]
+            found += [channel_from_url(u) for u in _SEPARATOR.split(item.strip()) if u]
         else:
             raise TypeError(f"{where}: channels are URLs or Channel objects, not {item!r}")
     names = [c.name for c in found]
