@@ -323,3 +323,20 @@ def test_one_setting_may_hold_several_channels() -> None:
     assert found[0].types == ("approval.*", "record.*")  # the comma inside it stays
     with pytest.raises(LedgerConfigurationError, match="named alike"):
         channels_from([hook, hook])
+
+
+def test_doctor_says_what_waits_for_delivery(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from crewai_idempotent import SQLiteCacheBackend
+    from crewai_idempotent.cli import main
+
+    path = tmp_path / "ledger.db"
+    backend = SQLiteCacheBackend(path)
+    backend.get("k")  # the ledger's table is made with its first use
+    url = f"sqlite:///{path}"
+    quiet = CliRunner().invoke(main, ["--ledger", url, "doctor"])
+    assert "outbox       nothing waits for delivery" in quiet.output
+    alert(backend, "alert.test", "hello")
+    told = CliRunner().invoke(main, ["--ledger", url, "doctor"])
+    assert "1 notification(s) not yet delivered" in told.output and "notify --watch" in told.output
