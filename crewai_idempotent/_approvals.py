@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from ._backend import CacheBackend, ledger_option, url_of
 from ._errors import ApprovalDenied, ApprovalRequired, command
 from ._hostclock import HostClock
 from ._record import Record
+from .notifications._outbox import Note
 
 KIND = "approval/"
 DEFAULT_APPROVAL_TTL = 24 * 3600.0
@@ -74,6 +76,8 @@ class ApprovalRequest:
     used_at: float | None = None
     used_token: int | None = None
     history: tuple[dict[str, Any], ...] = field(default=())
+    # The call's amount and the cap windows it counts against, as they stood when asked.
+    spend: dict[str, Any] | None = None
     # Not stored: the URL of the ledger it was read from (None: the CLI's default ledger).
     ledger: str | None = field(default=None, compare=False)
 
@@ -91,7 +95,7 @@ class ApprovalRequest:
             round=d["round"], decided_at=d["decided_at"], decided_by=d["decided_by"],
             decision_reason=d["decision_reason"], grant_expires_at=d["grant_expires_at"],
             used_at=d["used_at"], used_token=d["used_token"], history=tuple(d["history"]),
-            ledger=ledger,
+            spend=d.get("spend"), ledger=ledger,
         )  # fmt: skip
 
 
@@ -201,9 +205,32 @@ class Approvals:
             _event(doc, now, state.value.lower(), by, reason)
             return doc
 
-        decided = self._request(_gatestore.update(self.backend, key, change))
+        decided = self._request(_gatestore.update(self.backend, key, change, _notes))
         _notify("decided", decided)
         return decided
+
+    def expire(self, rid: str, round: int) -> ApprovalRequest | None:
+        """Record that round `round` of a granted request ended unused: its grant expired
+        (an "approval.expired" entry). None, and nothing written, while it has not, or
+        once the request has moved on. The outbox's dispatcher calls it when the grant of
+        an approval it delivered runs out; a later call of the key opens a new round."""
+        key = _doc_key(_check_id(rid))
+
+        def change(doc: dict[str, Any] | None, now: float) -> dict[str, Any]:
+            if (
+                doc is None
+                or doc["state"] != ApprovalState.APPROVED.value
+                or doc["round"] != round
+                or doc.get("expired_round") == round
+                or not _grant_expired(doc, now, self.backend.host_clock)
+            ):
+                raise _gatestore.Unchanged({})  # nothing to say: `update` returns {}
+            doc = {**doc, "expired_round": round}
+            _event(doc, now, "expired", "dispatcher", "the grant expired before a call used it")
+            return doc
+
+        found = _gatestore.update(self.backend, key, change, _notes)
+        return self._request(found) if found else None
 
     # -- the gated call ----------------------------------------------------------------
 
@@ -218,6 +245,7 @@ class Approvals:
         crew: str | None = None,
         task: str | None = None,
         kickoff: str | None = None,
+        spend: Mapping[str, Any] | None = None,
     ) -> ApprovalRequest:
         """Let the holder of `claim` start its body, or raise.
 
@@ -242,6 +270,7 @@ class Approvals:
                     "kickoff": kickoff, "round": 1, "decided_at": None, "decided_by": None,
                     "decision_reason": "", "grant_expires_at": None, "used_at": None,
                     "used_token": None, "used_record": None, "history": [],
+                    "spend": dict(spend) if spend is not None else None,
                 }  # fmt: skip
                 _event(doc, now, "requested", tool, reason)
                 return doc
@@ -268,6 +297,10 @@ class Approvals:
             elif state is ApprovalState.USED and not same_run:
                 why_again = "the earlier approval was used by a run that finished"
             if why_again is not None:
+                if expired:
+                    doc = {**doc, "expired_round": doc["round"]}
+                if spend is not None:
+                    doc = {**doc, "spend": dict(spend)}
                 doc = _new_round(doc, now, why_again)
                 created[0] = True
                 refusal[0] = ApprovalRequired(
@@ -280,13 +313,35 @@ class Approvals:
             _event(doc, now, "used", f"token {claim.token}")
             return doc
 
-        doc = _gatestore.update(self.backend, _doc_key(rid), change)
+        doc = _gatestore.update(self.backend, _doc_key(rid), change, _notes)
         request = self._request(doc)
         if created[0]:
             _notify("created", request)
         if refusal[0] is not None:
             raise refusal[0]
         return request
+
+
+def _notes(old: dict[str, Any] | None, new: dict[str, Any]) -> list[Note]:
+    """What a change of a request means for a person: asked (a new request, or a new
+    round of one), approved, denied, or expired unused."""
+    if old is None:
+        return [Note("approval.requested", _data(new))]
+    notes = []
+    if new.get("expired_round") is not None and new.get("expired_round") != old.get(
+        "expired_round"
+    ):
+        notes.append(Note("approval.expired", _data({**old, "expired_round": old["round"]})))
+    if new["round"] != old["round"]:
+        notes.append(Note("approval.requested", _data(new)))
+    elif new["state"] != old["state"] and new["state"] in ("APPROVED", "DENIED"):
+        notes.append(Note(f"approval.{new['state'].lower()}", _data(new)))
+    return notes
+
+
+def _data(doc: dict[str, Any]) -> dict[str, Any]:
+    """A request as its entries carry it: everything but its history, the whole call."""
+    return {name: value for name, value in doc.items() if name not in ("history", "outbox")}
 
 
 def _grant_expired(doc: dict[str, Any], now: float, host: HostClock | None) -> bool:
@@ -345,17 +400,19 @@ def _notify(kind: str, request: ApprovalRequest) -> None:
 
 
 def summarize(args: Mapping[str, Any], redact: tuple[str, ...] = ()) -> dict[str, Any]:
-    """What an operator sees of the arguments: values named in `redact` hidden, long
-    texts cut, anything not JSON-like shown by its repr."""
-    out: dict[str, Any] = {}
-    for name, value in args.items():
-        if name in redact:
-            out[name] = "<redacted>"
-        elif isinstance(value, str):
-            out[name] = value if len(value) <= 200 else value[:200] + "..."
-        elif value is None or isinstance(value, bool | int | float):
-            out[name] = value
-        else:
-            text = repr(value)
-            out[name] = text if len(text) <= 200 else text[:200] + "..."
-    return out
+    """What an approver sees of the arguments: the whole call, every value in full (the
+    channels and the CLI shorten what they display, the request never does), JSON values
+    as they are, anything else by its repr; values named in `redact` hidden."""
+    return {name: "<redacted>" if name in redact else _plain(value) for name, value in args.items()}
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, bool | str):
+        return value
+    if type(value) in (int, float):
+        return value if math.isfinite(value) else repr(value)
+    if type(value) is dict and all(isinstance(k, str) for k in value):
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return [_plain(v) for v in value]
+    return repr(value)

@@ -6,7 +6,9 @@ A backend stores one `Record` per key. The guard needs only:
 * `replace` — store a record if the stored one is still `current` (same token and
   revision), atomically; every transition after the claim goes through it;
 * `get`, `scan` and `delete` for replays, waiting, inspection and clean-up;
-* `peek` — a light read for the replay fast path (by default, `get`).
+* `peek` — a light read for the replay fast path (by default, `get`);
+* `scan_prefix` — the records under a key prefix, for the package's own documents
+  (by default a `scan`; the stores answer it from an index).
 
 Backends raise `LedgerUnavailable` with a specific message when they cannot read or
 write; the guard treats any other exception from a backend the same way (fail closed).
@@ -22,6 +24,10 @@ from typing import Any
 
 from ._hostclock import HostClock
 from ._record import Peek, Record, Status
+
+#: The keys the package's own documents live under (approval requests, spend caps, the
+#: outbox of what needs a person). A store may keep an index of them for `scan_prefix`.
+DOCUMENTS = "crewai-idempotent/"
 
 
 class CacheBackend(ABC):
@@ -78,6 +84,16 @@ class CacheBackend(ABC):
     def delete(self, current: Record) -> bool:
         """Remove the record if it is still `current`."""
 
+    def scan_prefix(self, prefix: str) -> Iterator[Record]:
+        """Every record whose key starts with `prefix`, in key order (by code point).
+
+        What the outbox's dispatcher polls (`crewai-idempotent/outbox/`), so a store should
+        answer it for the `DOCUMENTS` prefix without reading every record; this default
+        reads them all, which is right for a store of your own but slow at a million."""
+        found = [record for record in self.scan() if record.key.startswith(prefix)]
+        found.sort(key=lambda record: record.key)
+        return iter(found)
+
     def close(self) -> None:  # noqa: B027 - optional for stores that hold nothing open
         """Release connections and file handles. The backend may not be used afterwards."""
 
@@ -86,6 +102,19 @@ class CacheBackend(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def prefix_end(prefix: str) -> str | None:
+    """The least string greater than every string that starts with `prefix` (code point
+    order, which is UTF-8's byte order), for a range scan; None when there is none."""
+    chars = list(prefix)
+    while chars:
+        last = ord(chars.pop()) + 1
+        if last == 0xD800:
+            last = 0xE000  # surrogates are never in a key
+        if last <= 0x10FFFF:
+            return "".join(chars) + chr(last)
+    return None
 
 
 # -- naming a store in messages ---------------------------------------------------------

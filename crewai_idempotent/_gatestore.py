@@ -18,6 +18,7 @@ from ._backend import CacheBackend
 from ._errors import LedgerUnavailable
 from ._record import Record, Status
 from ._results import decode, encode
+from .notifications import _outbox
 
 #: Every key this module writes starts with this; `crewai-idempotent ls` shows them too.
 PREFIX = "crewai-idempotent/"
@@ -49,16 +50,24 @@ def scan(backend: CacheBackend, kind: str) -> Iterator[dict[str, Any]]:
             yield _doc(record)
 
 
+Notes = Callable[[dict[str, Any] | None, dict[str, Any]], list[_outbox.Note]]
+
+
 def update(
     backend: CacheBackend,
     key: str,
     change: Callable[[dict[str, Any] | None, float], dict[str, Any]],
+    notes: Notes | None = None,
 ) -> dict[str, Any]:
     """Apply `change(current_doc_or_None, store_now)` atomically and return the new doc.
 
     `change` may be called several times (once per lost race) and must decide only from
     what it is given; it raises `Unchanged(doc)` to write nothing, or any other
     exception to abort.
+
+    `notes(old_doc, new_doc)` says what the change means for a person: its entries are
+    put in the outbox before the document is written, and the document carries their
+    marks, so they are delivered if and only if this write lands (`notifications._outbox`).
     """
     lost = 0
     while True:
@@ -69,6 +78,11 @@ def update(
             new_doc = change(doc, now)
         except Unchanged as nothing:
             return nothing.doc if nothing.doc is not None else (doc or {})
+        found = notes(doc, new_doc) if notes is not None else None
+        if found:
+            entries = _outbox.of_document(key, current, found, now)
+            new_doc = _outbox.marked(new_doc, entries)
+            _outbox.put_entries(backend, entries)  # first: the write below is their mark
         payload = encode(new_doc)
         if current is None:
             record = Record(

@@ -21,16 +21,18 @@ thread, the async one on the ledger's pools.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._approvals import Approvals
 from ._backend import CacheBackend
-from ._errors import ApprovalRequired
+from ._errors import ApprovalRequired, SpendCapExceeded
 from ._record import Record, Status
 from ._spend import Money, SpendCap, SpendLedger, Where, Window, windows
 from ._steps import Settled, Step, _Call, _Sleep
+from .notifications import _outbox
 
 _POLL_FIRST_S = 0.25
 _POLL_MAX_S = 5.0
@@ -70,9 +72,16 @@ class Plan:
                     raise
                 yield _Sleep(min(pause, left))
                 pause = min(pause * 2, _POLL_MAX_S)
+            except SpendCapExceeded as refused:
+                yield _Call(_note_refusal, backend, self, claim, refused)
+                raise
         if self.amount is None or not found:
             return None
-        yield _Call(SpendLedger(backend).reserve, claim.key, claim.token, self.amount, found)
+        try:
+            yield _Call(SpendLedger(backend).reserve, claim.key, claim.token, self.amount, found)
+        except SpendCapExceeded as refused:
+            yield _Call(_note_refusal, backend, self, claim, refused)
+            raise
         return _Reserved(claim.key, claim.token, found)
 
     def settle(
@@ -98,16 +107,43 @@ class _Reserved:
 
 def _check_and_authorize(backend: CacheBackend, plan: Plan, claim: Record) -> list[Window]:
     found: list[Window] = []
-    if plan.amount is not None and plan.caps:
-        found = windows(plan.caps, plan.where, backend.now())
-        SpendLedger(backend).check(claim.key, plan.amount, found)
+    spend: dict[str, Any] | None = None  # the amount against each cap, for the approver
+    amount = plan.amount
+    if amount is not None:
+        standing: list[dict[str, Any]] = []
+        if plan.caps:
+            found = windows(plan.caps, plan.where, backend.now())
+            standing = SpendLedger(backend).check(claim.key, amount, found)
+        spend = {"amount": amount.amount, "currency": amount.currency, "caps": standing}
     if plan.approval:
         Approvals(backend).authorize(
             claim, plan.fingerprint, tool=plan.tool, reason=plan.approval_reason,
             summary=plan.summary, crew=plan.where.crew, task=plan.where.task,
-            kickoff=plan.where.kickoff,
+            kickoff=plan.where.kickoff, spend=spend,
         )  # fmt: skip
     return found
+
+
+def _note_refusal(
+    backend: CacheBackend, plan: Plan, claim: Record, refused: SpendCapExceeded
+) -> None:
+    """A spend cap refused the call: one "spend.refused" entry per call and cap window
+    (an agent retrying the same call is not news). Never in the way of the refusal: if
+    the store cannot take it, the refusal is raised all the same."""
+    data = {
+        "key": claim.key, "tool": plan.tool, "fingerprint": plan.fingerprint,
+        "cap": refused.cap, "amount": refused.amount, "currency": refused.currency,
+        "limit": refused.limit, "committed": refused.spent, "reserved": refused.reserved,
+        "summary": dict(plan.summary), "crew": plan.where.crew, "task": plan.where.task,
+        "kickoff": plan.where.kickoff, "message": str(refused),
+    }  # fmt: skip
+    dedupe = f"{claim.key}\x00{plan.fingerprint}\x00{refused.cap}"
+    try:
+        _outbox.put(backend, "spend.refused", data, subject=claim.key, dedupe=dedupe)
+    except Exception:  # the refusal stands; the store's failure is logged
+        logging.getLogger("crewai_idempotent").exception(
+            "could not put the refusal of %r in the outbox", claim.key
+        )
 
 
 def _settle(backend: CacheBackend, reserved: _Reserved, spent: bool) -> None:

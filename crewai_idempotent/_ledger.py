@@ -49,6 +49,7 @@ from ._reconcile import aask, ask, named, path_of
 from ._record import Record, Status, _whoami
 from ._rooms import _Lanes, _Rooms
 from ._steps import _MISSING, Outcome, Settled, Stage, Step, _Ask, _Call, _Park, _Sleep
+from .notifications import _incidents
 
 # Names other modules import from here: the guard's public face in one place.
 __all__ = [
@@ -567,6 +568,9 @@ class Ledger(_Machine):
         anything else a store raises becomes LedgerUnavailable (fail closed)."""
         try:
             return fn(*args)
+        except LedgerUnavailable as exc:
+            _incidents.noted(self.backend, exc)  # said to a person once the store answers
+            raise
         except IdempotencyError:
             raise
         except Exception as exc:
@@ -598,6 +602,8 @@ class Ledger(_Machine):
                     try:
                         reply = await self._acall(step, lane)
                     except IdempotencyError as exc:
+                        if isinstance(exc, LedgerUnavailable):
+                            _incidents.noted(backend, exc)
                         error = exc
                     except Exception as exc:  # noqa: BLE001 - fail closed on anything a store raises
                         error = self._unavailable(exc)
@@ -653,6 +659,7 @@ class Ledger(_Machine):
     def _unavailable(self, exc: Exception) -> LedgerUnavailable:
         error = LedgerUnavailable(f"{url_of(self.backend)}: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
+        _incidents.noted(self.backend, error)
         return error
 
 

@@ -41,6 +41,7 @@ from ._record import Event, HostDeadline, Owner, Peek, Record, Status, _label, _
 from ._results import decode, encode
 from ._rooms import _UNKNOWN, _Room, _Rooms
 from ._steps import _MISSING, Outcome, Step, Swept, _Ask, _Call, _Park, _Sleep
+from .notifications import _outbox
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -329,6 +330,8 @@ class _Machine:
             error=None,
             call=_call(o),
         )
+        if held.status is Status.UNCERTAIN:  # a reconciler found it absent
+            yield from self._noted(held, new)
         if (yield _Call(self.backend.replace, held, new, claims=new)):
             self._rooms.publish(new.key, new)
             self._emit("claim", new)
@@ -348,6 +351,7 @@ class _Machine:
             lease_expires_at=None,
             error=reason,
         )
+        yield from self._noted(held, new)
         if (yield _Call(self.backend.replace, held, new)):
             if unanswered is not None:
                 unanswered.unanswered = new
@@ -362,6 +366,7 @@ class _Machine:
         verdict = yield _Ask(o.reconcile, held.key, o.args, o.reconcile_timeout_s, held)
         if isinstance(verdict, Found):
             new = self._found(held, verdict, f"{why}; reconciler found it", _this_process(), o.ttl)
+            yield from self._noted(held, new)
             if (yield _Call(self.backend.replace, held, new)):
                 self._rooms.publish(new.key, new)
                 self._emit("reconciled", new)
@@ -427,6 +432,7 @@ class _Machine:
         verdict = yield _Ask(ask.reconcile, key, ask.args, ask.timeout, marked)
         while True:
             new, outcome, kind = self._swept(marked, verdict, why, by)
+            yield from self._noted(marked, new)
             if (yield _Call(self.backend.replace, marked, new)):
                 self._rooms.publish(key, new)
                 self._emit(kind, new)
@@ -544,10 +550,14 @@ class _Machine:
                 expires_at=current.expires_at,
                 host_expires=current.host_expires,
             )
+        # A commit from PENDING is never news for a person; an unknown outcome is.
+        noted = () if status is Status.COMMITTED else _outbox.of_transition(current, new)
         deadline = self._monotonic() + self.commit_retry_s
         delay = 0.05
         while True:
             try:
+                if noted:
+                    yield _Call(_outbox.put_entries, self.backend, noted)
                 stored = yield _Call(self.backend.replace, current, new)
                 break
             except LedgerUnavailable:
@@ -610,6 +620,7 @@ class _Machine:
                     status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
                     error=note, needs_operator=True, evidence=(*mine.evidence, evidence),
                 )  # fmt: skip
+                yield from self._noted(None, new)
                 if (yield _Call(self.backend.insert, new)) is None:
                     self._rooms.publish(new.key, new)
                     break
@@ -619,6 +630,7 @@ class _Machine:
                 status=Status.UNCERTAIN, updated_at=now, lease_expires_at=None,
                 error=note, needs_operator=True, evidence=(*held.evidence, evidence),
             )  # fmt: skip
+            yield from self._noted(held, new)
             if (yield _Call(self.backend.replace, held, new)):
                 self._rooms.publish(new.key, new)
                 break
@@ -663,6 +675,7 @@ class _Machine:
                 Event(now, "uncertain", held.token, _label(mine), reason or ""),
                 status=Status.UNCERTAIN, error=reason, updated_at=now, lease_expires_at=None,
             )  # fmt: skip
+        yield from self._noted(held, new)
         if (yield _Call(self.backend.replace, held, new)):
             self._rooms.publish(new.key, new)
             self._emit("commit" if new.status is Status.COMMITTED else "uncertain", new)
@@ -696,6 +709,7 @@ class _Machine:
                     expires_at=now + self.ttl if self.ttl else None,  # as a commit would
                     host_expires=self._host_expiry(self.ttl),
                 )  # fmt: skip
+            yield from self._noted(held, new)
             if (yield _Call(self.backend.replace, held, new)):
                 self._rooms.publish(new.key, new)
                 self._emit("resolve", new)
@@ -725,6 +739,13 @@ class _Machine:
         if (yield _Call(self.backend.replace, claim, released)):
             self._rooms.publish(claim.key, released)
             self._emit("fail", released)
+
+    def _noted(self, held: Record | None, new: Record) -> Step[None]:
+        """What the write of `new` over `held` means for a person goes to the outbox
+        before `new` is written: its entry is delivered if and only if the write lands."""
+        entries = _outbox.of_transition(held, new)
+        if entries:
+            yield _Call(_outbox.put_entries, self.backend, entries)
 
     def _emit(self, kind: str, record: Record) -> None:
         if not self._listeners:

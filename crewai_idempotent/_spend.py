@@ -34,6 +34,7 @@ from . import _gatestore
 from ._backend import CacheBackend
 from ._errors import SpendCapExceeded
 from ._record import Status
+from .notifications._outbox import Note
 
 Per = Literal["kickoff", "crew", "task", "day", "total"]
 PERIODS: tuple[str, ...] = get_args(Per)
@@ -111,12 +112,16 @@ class SpendCap:
     `per`: "kickoff", "crew", "task", "day" (UTC, by the ledger's clock) or "total".
     `name` tells caps apart in the ledger and in `crewai-idempotent spend`; by default
     "<per>-<currency>". Calls in another currency do not count against the cap.
+    `warn_at` (a share of the limit, such as 0.8): the reservation that takes a window's
+    spent and reserved money to that share puts a "spend.threshold" entry in the outbox,
+    once per window.
     """
 
     limit: int
     currency: str
     per: Per = "total"
     name: str | None = None
+    warn_at: float | None = None
 
     def __post_init__(self) -> None:
         _check_amount("SpendCap.limit", self.limit)
@@ -126,6 +131,14 @@ class SpendCap:
         if self.name is not None and (not isinstance(self.name, str) or not _NAME.match(self.name)):
             raise ValueError(
                 f"SpendCap.name must be 1-64 letters, digits, '_', '.' or '-', not {self.name!r}"
+            )
+        share = self.warn_at
+        if share is not None and (
+            isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1
+        ):
+            raise ValueError(
+                f"SpendCap.warn_at must be a share of the limit above 0 and at most 1 (0.8 "
+                f"warns at 80%), not {share!r}"
             )
 
     @property
@@ -249,18 +262,24 @@ class SpendLedger:
     def __init__(self, backend: CacheBackend) -> None:
         self.backend = backend
 
-    def check(self, key: str, amount: Money, caps: Sequence[Window]) -> None:
+    def check(self, key: str, amount: Money, caps: Sequence[Window]) -> list[dict[str, Any]]:
         """Raise `SpendCapExceeded` if `amount` does not fit in every cap now (read only;
-        for refusing before asking anyone to approve). `reserve` decides for good."""
+        for refusing before asking anyone to approve). `reserve` decides for good.
+        Returns where each cap window of the amount's currency stands (for an approver)."""
+        standing = []
         for w in caps:
             if w.cap.currency != amount.currency:
                 continue
             doc = _gatestore.read(self.backend, w.key) or _empty(w)
-            if _fits(doc, key, amount.amount, w):
-                continue
-            _settle_stale(self.backend, doc)
             if not _fits(doc, key, amount.amount, w):
-                raise _exceeded(key, amount, doc, w)
+                _settle_stale(self.backend, doc)
+                if not _fits(doc, key, amount.amount, w):
+                    raise _exceeded(key, amount, doc, w)
+            standing.append(
+                {"cap": f"{w.scope}/{w.cap.label}/{w.window}", "limit": w.cap.limit,
+                 "committed": int(doc["committed"]), "reserved": _reserved(doc, but=key)}
+            )  # fmt: skip
+        return standing
 
     def reserve(self, key: str, token: int, amount: Money, caps: Sequence[Window]) -> None:
         """Reserve `amount` for the claim (`key`, `token`) in every cap of its currency, or
@@ -289,9 +308,16 @@ class SpendLedger:
             ):
                 raise _exceeded(key, amount, doc, w)
             doc["reserved"][key] = {"token": token, "amount": amount.amount, "at": now}
+            share = w.cap.warn_at
+            used = int(doc["committed"]) + _reserved(doc)
+            if share is not None and used >= share * w.cap.limit:
+                warned = list(doc.get("warned") or ())
+                if share not in warned:
+                    doc["warned"] = [*warned, share]
+                    doc["warned_by"] = key
             return doc
 
-        _gatestore.update(self.backend, w.key, change)
+        _gatestore.update(self.backend, w.key, change, _threshold_notes)
 
     def settle(self, key: str, token: int, caps: Sequence[Window], *, spent: bool) -> None:
         """The claim's body is over: its reservation becomes spent, or is released."""
@@ -332,6 +358,22 @@ class SpendLedger:
                 )
             )
         return sorted(found, key=lambda b: b.key)
+
+
+def _threshold_notes(old: dict[str, Any] | None, new: dict[str, Any]) -> list[Note]:
+    """A window whose spent and reserved money reached a cap's warning share."""
+    crossed = set(new.get("warned") or ()) - set((old or {}).get("warned") or ())
+    notes = []
+    for share in sorted(crossed):
+        data = {
+            "cap": f"{new['scope']}/{new['cap']}/{new['window']}", "scope": new["scope"],
+            "name": new["cap"], "per": new["per"], "window": new["window"],
+            "currency": new["currency"], "limit": int(new["limit"]),
+            "committed": int(new["committed"]), "reserved": _reserved(new), "share": share,
+            "key": new.get("warned_by"),
+        }  # fmt: skip
+        notes.append(Note("spend.threshold", data))
+    return notes
 
 
 def _fresh(doc: dict[str, Any] | None, w: Window) -> dict[str, Any]:

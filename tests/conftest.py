@@ -12,6 +12,12 @@ os.environ.setdefault("OTEL_SDK_DISABLED", "true")
 os.environ.setdefault("CREWAI_TRACING_ENABLED", "false")
 os.environ.setdefault("CREWAI_TESTING", "true")
 os.environ.setdefault("OPENAI_API_KEY", "sk-fake-not-used")
+# Ledger errors are spooled on the host until the ledger answers (notifications/
+# _incidents.py): the tests' outages spool here, never in the user's state folder.
+if "CREWAI_IDEMPOTENCY_SPOOL" not in os.environ:
+    import tempfile
+
+    os.environ["CREWAI_IDEMPOTENCY_SPOOL"] = tempfile.mkdtemp(prefix="crewai-idempotent-spool-")
 
 from collections.abc import Callable, Iterator
 from pathlib import Path

@@ -37,6 +37,7 @@ from crewai_idempotent._errors import (
 )
 from crewai_idempotent._gating import Plan
 from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where
+from crewai_idempotent.notifications import Outbox
 from tests.approver import approve_first_pending
 from tests.clock import ManualClock
 from tests.conftest import DURABLE_BACKENDS
@@ -127,6 +128,10 @@ def test_sixteen_processes_create_one_request_then_an_approval_runs_it_once(
     assert request.id == rid and request.state is ApprovalState.PENDING
     assert [e["what"] for e in request.history] == ["requested"]
     assert request.summary == {"amount_cents": 90_000} and request.kickoff == "k1"
+    # Sixteen processes asked, one request was made: one entry for a person, not sixteen
+    # (the losers' entries, if any, wait for writes that never landed: never delivered).
+    (asked,) = Outbox(backend).entries()
+    assert (asked.type, asked.data["id"], asked.data["round"]) == ("approval.requested", rid, 1)
 
     _approve_elsewhere(backend_url, rid)
     decided = approvals.get(rid)
@@ -338,13 +343,19 @@ def test_listeners_hear_created_and_decided(backend: CacheBackend, tmp_path: Pat
     assert heard == [("created", "PENDING"), ("decided", "APPROVED")]
 
 
-def test_summaries_hide_what_they_are_told_to() -> None:
+def test_summaries_keep_the_whole_call_and_hide_what_they_are_told_to() -> None:
+    memo = "x" * 1_000_000
+    lines = [{"sku": "A-1", "qty": 2, "note": "y" * 5_000}] * 3
     summary = summarize(
-        {"iban": "DE89370400440532013000", "amount_cents": 5, "memo": "x" * 300, "x": object()},
+        {"iban": "DE89370400440532013000", "amount_cents": 5, "memo": memo, "x": object(),
+         "lines": lines, "ratio": float("nan"), "pair": (1, "two")},
         redact=("iban",),
-    )
+    )  # fmt: skip
     assert summary["iban"] == "<redacted>" and summary["amount_cents"] == 5
-    assert len(summary["memo"]) == 203 and summary["x"].startswith("<object")
+    assert summary["memo"] == memo  # never cut: channels shorten what they display
+    assert summary["lines"] == lines  # structure kept, as JSON
+    assert summary["x"].startswith("<object") and summary["ratio"] == "nan"
+    assert summary["pair"] == [1, "two"]
 
 
 def test_async_waiting_polls_without_blocking_the_loop(

@@ -364,10 +364,12 @@ def test_purge(url: str, populated: Ledger) -> None:
     assert "2 COMMITTED and FAILED record(s)" in declined.stderr
     assert "1 approval request(s) with their decisions" in declined.stderr
     assert "2 spend-cap budget(s), with the spend counted so far" in declined.stderr
+    # order-uncertain is news for a person: an entry of the outbox (order-twice was planted)
+    assert "1 notification(s) of the outbox" in declined.stderr
     assert populated.get("order-committed") is not None
 
     everything = cli(url, "purge", "--all", "--yes")
-    assert everything.exit_code == 0 and "purged 5 record(s)" in everything.stdout
+    assert everything.exit_code == 0 and "purged 6 record(s)" in everything.stdout
     left = {r.key: r.status for r in populated.records()}
     assert left == {
         "order-uncertain": Status.UNCERTAIN, "order-stale": Status.PENDING,

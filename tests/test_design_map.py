@@ -145,3 +145,21 @@ def test_the_ledger_drives_the_gates_without_importing_them() -> None:
         assert not any(m.startswith(f"{PACKAGE}.integration") for m in reached), core
     for gate in gates:
         assert f"{PACKAGE}._ledger" not in reaches(gate), f"{gate} imports the ledger"
+
+
+def test_the_core_and_the_gates_reach_only_the_outbox_s_write_side() -> None:
+    """The ledger writes entries for a person with its transitions; it never loads the
+    dispatcher, the channels or their libraries."""
+    graph = _module_imports()
+    notifications = f"{PACKAGE}.notifications"
+    allowed = {notifications, f"{notifications}._outbox", f"{notifications}._incidents"}
+    for start in ("_ledger", "_machine", "_gatestore", "_approvals", "_spend", "_gating"):
+        found, todo = set(), [f"{PACKAGE}.{start}"]
+        while todo:
+            for imported in graph.get(todo.pop(), ()):
+                if imported not in found:
+                    found.add(imported)
+                    todo.append(imported)
+        reached = {m for m in found if m.startswith(notifications)}
+        assert reached <= allowed, f"{start} reaches {sorted(reached - allowed)}"
+    assert f"{notifications}._outbox" in graph[f"{PACKAGE}._machine"]  # the graph is read

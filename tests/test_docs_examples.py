@@ -53,6 +53,7 @@ def _blocks() -> list[tuple[str, str]]:
 
 
 BLOCKS = _blocks()
+HOOK_SECRET = "whsec_" + "c2VjcmV0IG9mIHRoZSBkb2NzJyB3ZWJob29rcw=="
 
 
 class Effects:
@@ -149,6 +150,8 @@ def _mirrored(source: str, tmp_path: Path) -> str:
 def run_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "srv" / "app").mkdir(parents=True, mode=0o700)
+    # The webhook channels' shared secret (docs/notifications.md names it by variable).
+    monkeypatch.setenv("CREWAI_HOOK_SECRET", HOOK_SECRET)
     modules: list[str] = []
 
     def run(name: str, source: str) -> tuple[dict[str, Any], Effects]:
@@ -208,6 +211,25 @@ def _claims(ns: dict[str, Any], effects: Effects) -> None:
         assert isinstance(ns["find_charge"]("charge:order-1", {}), Absent)
     if "receipts" in ns:
         assert ns["receipts"] == ["ch_o1", "ch_o2"]
+    if "receive" in ns:  # the webhook receiver: verifies, and deduplicates on webhook-id
+        import datetime as dt
+
+        from standardwebhooks import Webhook, WebhookVerificationError
+
+        body = '{"type": "approval.requested", "data": {}}'
+        sent = dt.datetime.now(dt.UTC)
+        headers = {
+            "webhook-id": "ob_7e557f372fbc106a8b184cc6",
+            "webhook-timestamp": str(int(sent.timestamp())),
+            "webhook-signature": Webhook(HOOK_SECRET).sign(
+                "ob_7e557f372fbc106a8b184cc6", sent, body
+            ),
+        }
+        assert ns["receive"](body.encode(), headers) == "204"
+        assert ns["receive"](body.encode(), headers) == "204"  # a second try of the same id
+        assert ns["seen"] == {"ob_7e557f372fbc106a8b184cc6"}
+        with pytest.raises(WebhookVerificationError):
+            ns["receive"](body.replace("requested", "approved").encode(), headers)
     _reconciliation_claims(ns)
 
 

@@ -822,9 +822,12 @@ def test_closing_and_reopening_keeps_every_state(
     if backend_kind != "memory":
         first.close()
     again = Ledger(open_backend())
-    states = {r.key: r.status for r in again.records()}
+    records = again.records()
+    states = {r.key: r.status for r in records if not r.key.startswith("crewai-idempotent/")}
     assert states == {"c": Status.COMMITTED, "f": Status.FAILED, "u": Status.UNCERTAIN}
     assert [r.key for r in again.records(Status.UNCERTAIN)] == ["u"]
+    # and the outbox's entry saying "u" needs a person
+    assert len([r for r in records if r.key.startswith("crewai-idempotent/outbox/")]) == 1
 
 
 def test_owner_that_outlived_its_lease_settles_an_uncertain_record(
@@ -853,3 +856,103 @@ def test_http_client_timeouts_count_as_unknown_outcomes(ledger: Ledger) -> None:
     with pytest.raises(ReadTimeout):
         ledger.run("http", lambda: (_ for _ in ()).throw(ReadTimeout("read timed out")))
     assert ledger.get("http").status is Status.UNCERTAIN  # type: ignore[union-attr]
+
+
+# -- the documents' prefix scan ------------------------------------------------------------
+
+_OUTBOX = "crewai-idempotent/outbox/"
+_PREFIX_KEYS = [
+    f"{_OUTBOX}b",
+    f"{_OUTBOX}a",
+    f"{_OUTBOX}\u00e9t\u00e9",  # two bytes in UTF-8
+    f"{_OUTBOX}\U0001f600",  # four bytes in UTF-8: after every BMP character
+    f"{_OUTBOX}Z",
+    "crewai-idempotent/outboxes/x",  # shares the letters, not the folder
+    "crewai-idempotent/approval/ap_1",
+    "crewaiidempotent0outbox",  # what a linguistic collation sorts between the bounds
+    "crewai-idempotent0",
+    "user:crewai-idempotent/outbox/a",
+]
+
+
+def _committed(backend: CacheBackend, key: str) -> Record:
+    now = backend.now()
+    record = Record(
+        key=key, status=Status.COMMITTED, fingerprint="fp", token=1, revision=1, owner=None,
+        attempts=1, created_at=now, updated_at=now, result={"k": key},
+    )  # fmt: skip
+    assert backend.insert(record) is None
+    return record
+
+
+def _keys(records: Any) -> list[str]:
+    return [record.key for record in records]
+
+
+def test_scan_prefix_returns_exactly_the_keys_under_it_in_code_point_order(
+    backend: CacheBackend,
+) -> None:
+    stored = {key: _committed(backend, key) for key in _PREFIX_KEYS}
+    under = sorted(key for key in _PREFIX_KEYS if key.startswith(_OUTBOX))
+    assert _keys(backend.scan_prefix(_OUTBOX)) == under
+    assert _keys(backend.scan_prefix("crewai-idempotent/")) == sorted(
+        key for key in _PREFIX_KEYS if key.startswith("crewai-idempotent/")
+    )
+    assert _keys(backend.scan_prefix("user:")) == ["user:crewai-idempotent/outbox/a"]
+    assert _keys(backend.scan_prefix("")) == sorted(_PREFIX_KEYS)
+    assert list(backend.scan_prefix(f"{_OUTBOX}nothing")) == []
+    # A change is seen, a deletion is gone.
+    a = stored[f"{_OUTBOX}a"]
+    changed = a.evolve(None, result={"k": "changed"})
+    assert backend.replace(a, changed)
+    assert backend.delete(stored[f"{_OUTBOX}b"])
+    found = {record.key: record for record in backend.scan_prefix(_OUTBOX)}
+    assert sorted(found) == [key for key in under if key != f"{_OUTBOX}b"]
+    assert found[f"{_OUTBOX}a"] == changed
+
+
+def _forget_documents_index(backend: CacheBackend) -> None:
+    """Make the store look like one written before it indexed its documents."""
+    import shutil
+
+    from crewai_idempotent.backends.filelock import FileLockCacheBackend
+    from crewai_idempotent.backends.postgres import PostgresCacheBackend
+    from crewai_idempotent.backends.redis import RedisCacheBackend
+
+    if isinstance(backend, FileLockCacheBackend):
+        shutil.rmtree(backend.directory / "documents")
+    elif isinstance(backend, RedisCacheBackend):
+        backend.client.delete(f"{backend.prefix}docs", f"{backend.prefix}docs:complete")
+    elif isinstance(backend, PostgresCacheBackend):
+
+        def drop(conn: Any, _resent: bool) -> None:
+            rows = conn.execute(
+                "SELECT indexname FROM pg_indexes WHERE tablename = %s AND indexname LIKE %s",
+                (backend.table, "%\\_docs"),
+            ).fetchall()
+            assert len(rows) == 1, rows
+            conn.execute(f'DROP INDEX "{rows[0][0]}"')
+
+        backend._call("dropping the documents' index", drop, retry=False)
+
+
+def test_scan_prefix_finds_documents_written_before_the_index(
+    factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = factory()
+    for key in _PREFIX_KEYS:
+        _committed(first, key)
+    _forget_documents_index(first)
+    first.close()
+    later = factory()  # a process of a version that indexes documents opens the old store
+    try:
+        with caplog.at_level("WARNING", logger="crewai_idempotent"):
+            assert _keys(later.scan_prefix(_OUTBOX)) == sorted(
+                key for key in _PREFIX_KEYS if key.startswith(_OUTBOX)
+            )
+        _committed(later, f"{_OUTBOX}new")
+        assert f"{_OUTBOX}new" in _keys(later.scan_prefix(_OUTBOX))
+    finally:
+        later.close()
+    if "postgres" in repr(factory):
+        assert "CREATE INDEX CONCURRENTLY" in caplog.text  # says how to build it

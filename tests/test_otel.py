@@ -321,3 +321,42 @@ def test_a_gate_that_stops_the_call_is_an_approval_span(
     (span,) = otel.finished()
     assert span.name == "idempotency.approval"
     assert dict(span.attributes)["idempotency.outcome"] == "approval"
+
+
+# -- the outbox's deliveries -------------------------------------------------------------------
+
+
+def test_every_delivery_try_is_a_span_and_counted(otel: Telemetry) -> None:
+    from crewai_idempotent.notifications import Dispatcher, alert
+    from tests.notify_support import Receiver
+
+    receiver = Receiver().start()
+    try:
+        backend = InMemoryCacheBackend()
+        entry = alert(backend, "alert.test", "hello")
+        receiver.status = 503
+        dispatcher = Dispatcher(backend, [receiver.webhook(name="ops")], backoff_s=0.001)
+        dispatcher.run_once()
+        time.sleep(0.01)  # past the millisecond of backoff
+        receiver.status = 204
+        dispatcher.run_once()
+    finally:
+        receiver.stop()
+    spans = [s for s in otel.spans.get_finished_spans() if s.name == "notification.deliver"]
+    assert [s.attributes["notification.outcome"] for s in spans] == ["failed", "delivered"]
+    assert [s.attributes["notification.attempt"] for s in spans] == [1, 2]
+    assert {s.attributes["notification.id"] for s in spans} == {entry.id}
+    assert spans[0].status.status_code is StatusCode.ERROR
+    assert spans[0].attributes["http.response.status_code"] == 503
+    assert "HTTP 503" in (spans[0].status.description or "")
+    by_outcome = {p.attributes["outcome"]: int(p.value) for p in otel.points("notifications.tries")}
+    assert by_outcome == {"failed": 1, "delivered": 1}
+    assert all(
+        p.attributes["notification.channel"] == "ops" for p in otel.points("notifications.tries")
+    )
+    mine = [
+        p
+        for p in otel.points("notifications.pending")
+        if p.attributes["dispatcher"] == dispatcher.name
+    ]
+    assert [p.value for p in mine] == [0]  # nothing left undelivered at its last pass

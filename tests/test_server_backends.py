@@ -25,6 +25,7 @@ from crewai_idempotent import (
     Ledger,
     LedgerConfigurationError,
     LedgerUnavailable,
+    Record,
     Status,
     backend_from_url,
 )
@@ -190,6 +191,44 @@ def test_first_use_creates_the_table_and_records_its_schema_version(
     assert version == (SCHEMA_VERSION,)
     rows = admin.execute(f'SELECT key, status, token, revision FROM "{table}"').fetchall()
     assert rows == [("k", "COMMITTED", 1, 2)]
+
+
+def test_documents_are_scanned_by_their_index_under_a_linguistic_collation(
+    postgres_server: PostgresServer, admin: psycopg.Connection[Any], table: str, pg_ledger: Any
+) -> None:
+    """Under a linguistic collation a range of the primary key is not a prefix (ICU puts
+    'CREWAI-IDEMPOTENT/OUTBOX/b' between 'crewai-idempotent/outbox/' and
+    'crewai-idempotent/outbox0'): the documents' scan compares bytes and reads the partial
+    index of the documents, not the table."""
+    collations = [
+        row[0]
+        for row in admin.execute(
+            "SELECT collname FROM pg_collation WHERE collname IN ('en-x-icu', 'und-x-icu')"
+        ).fetchall()
+    ]
+    if not collations:
+        pytest.skip("this PostgreSQL has no ICU collation")
+    ledger = pg_ledger(postgres_server.url(table=table))
+    ledger.get("k")  # the table exists
+    admin.execute(f'ALTER TABLE "{table}" ALTER COLUMN key TYPE text COLLATE "{collations[0]}"')
+    backend = ledger.backend
+    keys = [
+        "crewai-idempotent/outbox/a", "crewai-idempotent/outbox/Zz", "crewaiidempotent0",
+        "crewai-idempotent/outbox/\u00e9", "crewai-idempotent0", "CREWAI-IDEMPOTENT/OUTBOX/b",
+    ]  # fmt: skip
+    now = backend.now()
+    for key in keys:
+        record = Record(key, Status.COMMITTED, "fp", 1, 1, None, 1, now, now, result=1)
+        assert backend.insert(record) is None
+    found = [r.key for r in backend.scan_prefix("crewai-idempotent/outbox/")]
+    assert found == sorted(k for k in keys if k.startswith("crewai-idempotent/outbox/"))
+    admin.execute(f'ANALYZE "{table}"')
+    admin.execute("SET enable_seqscan = off")  # a tiny table: make the planner show its choice
+    plan = admin.execute(
+        f"EXPLAIN SELECT doc FROM \"{table}\" WHERE key LIKE 'crewai-idempotent/%' "
+        "AND key ~>=~ 'crewai-idempotent/outbox/' AND key ~<~ 'crewai-idempotent/outbox0'"
+    ).fetchall()
+    assert "_docs" in " ".join(row[0] for row in plan), plan
 
 
 def test_a_table_migrated_by_a_newer_release_is_refused_and_nothing_runs(

@@ -236,8 +236,11 @@ def test_no_server_means_no_run(kind: str, provider: Provider) -> None:
 
 
 def test_a_server_stopped_between_calls_fails_the_next_claim_closed(
-    target: Target, provider: Provider
+    target: Target, provider: Provider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from crewai_idempotent.notifications import Outbox, _incidents
+
+    monkeypatch.setattr(_incidents, "_PROBE_S", 0.05)  # look at the ledger often
     ledger = Ledger(backend_from_url(target.fresh_url(timeout_s=1)))
     # PostgreSQL: a pooled connection first, then direct attempts.
     attempts = 3 if target.kind == "postgres" else 1
@@ -253,6 +256,14 @@ def test_a_server_stopped_between_calls_fails_the_next_claim_closed(
         assert ledger.run("after", lambda: "back") == "back"
         assert ledger.run("down-0", lambda: "ran now") == "ran now"  # nothing was claimed
         assert ledger.run("before", lambda: "again") == "r"  # the restart kept the receipt
+        # The outage is said once the ledger can hold it: one entry for a person.
+        deadline = time.monotonic() + 60
+        while not (said := Outbox(ledger.backend).entries()):
+            assert time.monotonic() < deadline, "the outage never reached the outbox"
+            time.sleep(0.05)
+        (entry,) = said
+        assert entry.type == "ledger.unavailable" and entry.data["count"] >= attempts
+        assert entry.data["process"] == os.getpid() and entry.data["error"]
     finally:
         ledger.close()
     assert provider.counts() == {}

@@ -14,6 +14,11 @@ extra creations and removals in them were what made a fresh key slower there (1M
 0.14-0.77 with the temporary files beside the records, 0.88-0.98 without, alternating
 runs of `bench/ledger.py`'s scale figure; docs/benchmarks.md).
 
+The package's own documents (keys under `crewai-idempotent/`: the outbox, approvals,
+caps) each have an empty marker file named by the key's digest in `documents/`, made
+before the record and removed after it, so `scan_prefix` of them lists that folder rather
+than every record. A folder from before the markers gets them at its first such scan.
+
 Across fork(): a `flock` belongs to the open file description, which a forked child
 shares with its parent; unlocking it in the child would release the parent's lock. The
 locks are therefore taken on descriptors this module opens and closes itself (not through
@@ -40,7 +45,7 @@ from typing import Any, Self, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
 from .. import _fork
-from .._backend import CacheBackend
+from .._backend import DOCUMENTS, CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._hostclock import this_host
 from .._record import Peek, Record, Status
@@ -80,6 +85,8 @@ class FileLockCacheBackend(CacheBackend):
         # Made with the first write, like the shard folders: a ledger folder an older
         # version wrote has none, and a read-only look at it must not need one.
         self._temps = self.directory / "tmp"
+        self._documents = self.directory / "documents"  # made with the first document
+        self._documents_checked = False
         for folder in (self._records, self._locks):
             private_folder(folder, allow_insecure_path)
         # The open folder keeps its inode number from being handed to a folder created
@@ -312,6 +319,8 @@ class FileLockCacheBackend(CacheBackend):
         self._check_identity()
         final, _ = self._names(record.key)
         self._shard(final)
+        if record.key.startswith(DOCUMENTS):
+            self._mark_document(final.stem)  # first: a document is never missing from it
         while True:
             temp = self._write_temp(final, record)
             try:
@@ -386,7 +395,62 @@ class FileLockCacheBackend(CacheBackend):
                 return False
             os.unlink(final)
             self._sync_folder(final.parent)
+            if current.key.startswith(DOCUMENTS):
+                _unlink(self._documents / final.stem)  # a marker left behind is skipped
             return True
+
+    def scan_prefix(self, prefix: str) -> Iterator[Record]:
+        if not prefix.startswith(DOCUMENTS):
+            return super().scan_prefix(prefix)
+        self._check_identity()
+        self._index_documents()
+        try:
+            names = os.listdir(self._documents)
+        except FileNotFoundError:
+            names = []
+        records = []
+        for name in names:
+            if name.startswith("."):
+                continue
+            record = self._read(self._records / name[:2] / f"{name}.json")
+            if record is not None and record.key.startswith(prefix):
+                records.append(record)
+        records.sort(key=lambda r: r.key)
+        return iter(records)
+
+    def _mark_document(self, digest: str) -> None:
+        marker = self._documents / digest
+        self._shard(marker)
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            return
+        except OSError as exc:
+            raise LedgerUnavailable(self._explain(exc, marker)) from exc
+        os.close(fd)
+        try:
+            self._sync_folder(self._documents)
+        except OSError as exc:
+            raise LedgerUnavailable(self._explain(exc, self._documents)) from exc
+
+    def _index_documents(self) -> None:
+        """A folder written before the markers existed gets them, once: every record is
+        read, and `documents/.complete` says it was done."""
+        if self._documents_checked:
+            return
+        done = self._documents / ".complete"
+        if not done.exists():
+            for path in self._records.glob("*/*.json"):
+                record = self._read(path)
+                if record is not None and record.key.startswith(DOCUMENTS):
+                    self._mark_document(path.stem)
+            self._shard(done)
+            try:
+                os.close(os.open(done, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+                self._sync_folder(self._documents)
+            except OSError as exc:
+                raise LedgerUnavailable(self._explain(exc, done)) from exc
+        self._documents_checked = True
 
 
 _URL_OPTIONS: dict[str, Callable[[str], Any]] = {

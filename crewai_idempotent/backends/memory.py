@@ -60,6 +60,11 @@ class InMemoryCacheBackend(CacheBackend):
             records = sorted(self._records.values(), key=lambda r: r.updated_at)
         return iter([r for r in records if status is None or r.status is status])
 
+    def scan_prefix(self, prefix: str) -> Iterator[Record]:
+        with self._lock:
+            found = [r for key, r in self._records.items() if key.startswith(prefix)]
+        return iter(sorted(found, key=lambda r: r.key))
+
     def delete(self, current: Record) -> bool:
         with self._lock:
             held = self._records.get(current.key)

@@ -54,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     ) from exc
 
 from .. import _fork
-from .._backend import CacheBackend
+from .._backend import DOCUMENTS, CacheBackend, prefix_end
 from .._errors import LedgerUnavailable
 from .._record import Record, Status
 from ._clock import ServerClock
@@ -166,6 +166,7 @@ class PostgresCacheBackend(CacheBackend):
         self._durability_checked = not check_durability
         self._clock = ServerClock("PostgreSQL", self._read_clock, clock_refresh_s)
         self._closed = False
+        self._documents_indexed = False
         self._reset_process_state()
         _fork.register(self)
 
@@ -604,6 +605,44 @@ class PostgresCacheBackend(CacheBackend):
             retry=True,
         )
         return iter([self._decode(row[0]) for row in rows])
+
+    def scan_prefix(self, prefix: str) -> Iterator[Record]:
+        end = prefix_end(prefix)
+        params: tuple[str, ...]
+        if end is not None and prefix.startswith(DOCUMENTS):
+            self._check_documents_index()
+            query, params = self._sql.scan_documents, (prefix, end)
+        elif end is not None:
+            query, params = self._sql.scan_range, (prefix, end)
+        else:
+            query, params = self._sql.scan_from, (prefix,)
+        rows = self._call(
+            "listing records by key",
+            lambda conn, _resent: conn.execute(query, params).fetchall(),
+            retry=True,
+        )
+        return iter([self._decode(row[0]) for row in rows])
+
+    def _check_documents_index(self) -> None:
+        """A table made by an earlier version has no index of the documents: their scans
+        read the whole table then. Said once, with the statement that builds it."""
+        if self._documents_indexed:
+            return
+        found = self._call(
+            "looking for the documents' index",
+            lambda conn, _resent: conn.execute(
+                "SELECT to_regclass(%s) IS NOT NULL", (self._sql.docs_index_name,)
+            ).fetchone(),
+            retry=True,
+        )
+        self._documents_indexed = True
+        if found is not None and not found[0]:
+            log.warning(
+                "ledger table %s at %s has no index of its documents (it was made before "
+                "there was one): the outbox's dispatcher reads the whole table on every "
+                "poll. Build it without blocking writes with: %s",
+                self._sql.label, self.where, self._sql.create_docs_index,
+            )  # fmt: skip
 
     def delete(self, current: Record) -> bool:
         # Not retried: a delete that landed before a lost connection would report False.

@@ -2,7 +2,9 @@
 
 Each record is a hash (`status`, `token`, `revision`, `doc`) under `<prefix>r:<key>`, and
 each status has a sorted set `<prefix>i:<STATUS>` of keys scored by their last update, so
-listing the UNCERTAIN records never walks the whole keyspace.
+listing the UNCERTAIN records never walks the whole keyspace. The package's own documents
+(`crewai-idempotent/...`: the outbox, approvals, caps) are also in `<prefix>docs`, scored
+0, so `scan_prefix` of them is one ZRANGEBYLEX.
 
 Every operation that writes is one Lua script (`_redis_scripts`), which Redis runs
 atomically: the claim is "create the record unless the key exists, else return the
@@ -50,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     ) from exc
 
 from .. import _fork
-from .._backend import CacheBackend
+from .._backend import DOCUMENTS, CacheBackend, prefix_end
 from .._errors import LedgerUnavailable
 from .._record import Record, Status
 from ._clock import ServerClock
@@ -120,6 +122,10 @@ class RedisCacheBackend(CacheBackend):
         self._use_client(url_or_client if isinstance(url_or_client, redis.Redis) else None)
         self.where = _describe(self.client)
         self._indexes = [f"{prefix}i:{status.value}" for status in _STATUSES]
+        self._documents = f"{prefix}docs"
+        # Set once every document is in `_documents`, those written before it existed too.
+        self._documents_complete = f"{prefix}docs:complete"
+        self._documents_checked = False
         self._clock = ServerClock("Redis", self._read_clock, clock_refresh_s)
         self._checked = not check_persistence
         self._check_lock = threading.Lock()
@@ -300,7 +306,7 @@ class RedisCacheBackend(CacheBackend):
     # -- protocol ----------------------------------------------------------------------
 
     def insert(self, record: Record) -> Record | None:
-        keys = [self._record_key(record.key), self._index(record.status)]
+        keys = [self._record_key(record.key), self._index(record.status), self._documents]
         args = [
             record.key, record.status.value, record.token, record.revision,
             repr(record.updated_at), record.to_json(),
@@ -359,8 +365,62 @@ class RedisCacheBackend(CacheBackend):
         records.sort(key=lambda r: r.updated_at)
         return iter(records)
 
+    def scan_prefix(self, prefix: str) -> Iterator[Record]:
+        if not prefix.startswith(DOCUMENTS):
+            return super().scan_prefix(prefix)
+        self._index_documents()
+        end = prefix_end(prefix)
+        low, high = f"[{prefix}", "+" if end is None else f"({end}"
+        members = self._call(
+            "listing documents",
+            lambda _resent: self.client.zrangebylex(self._documents, low, high),
+        )
+        keys = [_text(member) for member in members]
+        records: list[Record] = []
+        for start in range(0, len(keys), 500):
+            chunk = keys[start : start + 500]
+
+            def read(_resent: bool, chunk: list[str] = chunk) -> list[Any]:
+                pipe = self.client.pipeline(transaction=False)
+                for key in chunk:
+                    pipe.hget(self._record_key(key), "doc")
+                return pipe.execute()
+
+            # A record deleted since the index was read is simply gone.
+            docs = self._call("reading documents", read)
+            records.extend(self._decode(doc) for doc in docs if doc is not None)
+        return iter(sorted(records, key=lambda r: r.key))
+
+    def _index_documents(self) -> None:
+        """Documents written before the index existed join it, once per prefix: the
+        status indexes are walked (ZSCAN, matching the documents' prefix) and a mark set."""
+        if self._documents_checked:
+            return
+        client, documents = self.client, self._documents
+
+        def complete(_resent: bool) -> bool:
+            return bool(client.exists(self._documents_complete))
+
+        if not self._call("reading the documents' index", complete):
+            for index in self._indexes:
+                cursor = 0
+                while True:
+
+                    def step(_resent: bool, index: str = index, at: int = cursor) -> Any:
+                        at, found = client.zscan(index, at, match=f"{DOCUMENTS}*", count=1000)
+                        if found:
+                            members: dict[Any, float] = {m: 0 for m, _score in found}
+                            client.zadd(documents, members)
+                        return at
+
+                    cursor = self._call("indexing documents", step)
+                    if not cursor:
+                        break
+            self._call("indexing documents", lambda _: client.set(self._documents_complete, 1))
+        self._documents_checked = True
+
     def delete(self, current: Record) -> bool:
-        keys = [self._record_key(current.key), *self._indexes]
+        keys = [self._record_key(current.key), *self._indexes, self._documents]
         args: list[str | int | float] = [current.key, current.token, current.revision]
         done = self._call(
             f"deleting {current.key!r}", lambda _: self._delete(keys=keys, args=args), retry=False

@@ -24,7 +24,7 @@ from typing import Any, Self, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
 from .. import _fork
-from .._backend import CacheBackend
+from .._backend import CacheBackend, prefix_end
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from .._fork import unforked
 from .._hostclock import this_host
@@ -59,6 +59,8 @@ _REPLACE = (
 )
 _GET = "SELECT doc FROM idempotency_records WHERE key = ?"
 _DELETE = "DELETE FROM idempotency_records WHERE key = ? AND token = ? AND revision = ?"
+_SCAN_RANGE = "SELECT doc FROM idempotency_records WHERE key >= ? AND key < ? ORDER BY key"
+_SCAN_FROM = "SELECT doc FROM idempotency_records WHERE key >= ? ORDER BY key"
 
 # The slots of a thread's connections (`_ready`).
 _PLAIN, _CLAIM = "conn", "claim_conn"
@@ -493,6 +495,14 @@ class SQLiteCacheBackend(CacheBackend):
         else:
             sql = "SELECT doc FROM idempotency_records WHERE status = ? ORDER BY updated_at"
             params = (status.value,)
+        rows = self._guard(_fetch_all, sql, params)
+        return iter([self._decode(row[0]) for row in rows])
+
+    def scan_prefix(self, prefix: str) -> Iterator[Record]:
+        # A range of the primary key: TEXT compares as UTF-8 bytes, code point order.
+        end = prefix_end(prefix)
+        sql: str = _SCAN_RANGE if end is not None else _SCAN_FROM
+        params: tuple[str, ...] = (prefix,) if end is None else (prefix, end)
         rows = self._guard(_fetch_all, sql, params)
         return iter([self._decode(row[0]) for row in rows])
 

@@ -17,8 +17,9 @@ Everything printed for people is safe for a terminal: control and bidirectional-
 characters in keys, errors and receipts are shown escaped, and ledger passwords as `***`.
 
 The commands live beside this module: `_ledger` (ls, show, resolve, purge, export),
-`_gates` (approvals, spend), `_doctor`, `_demos`, `_reconcile` (the sweeper); they print
-through `_output` and find the ledger through `_where`, never through this module.
+`_gates` (approvals, spend), `_doctor`, `_demos`, `_reconcile` (the sweeper), `_notify`
+(notify, notifications); they print through `_output` and find the ledger through `_where`,
+never through this module.
 
 Exit status: 0 done; 1 refused, not found, or the ledger is unavailable; 2 bad usage
 (including a malformed ledger URL or --result that is not JSON).
@@ -34,6 +35,7 @@ from ._demos import demo, demo_approvals
 from ._doctor import doctor
 from ._gates import approvals, spend
 from ._ledger import export, list_records, purge, resolve, show
+from ._notify import notifications, notify
 from ._reconcile import reconcile
 from ._where import Where
 
@@ -80,5 +82,7 @@ for _command in (
     spend,
     demo_approvals,
     reconcile,
+    notify,
+    notifications,
 ):
     main.add_command(_command)

@@ -143,7 +143,8 @@ def _local_files(where: Where, out: _Report) -> list[tuple[Path, bool]]:
     if scheme == "sqlite":
         sidecars = [(Path(f"{path}{suffix}"), False) for suffix in ("-wal", "-shm")]
         return [(path.parent, True), (path, True), *sidecars]
-    return [(path, True), (path / "records", True), (path / "locks", True), (path / "tmp", False)]
+    made = [(path / "tmp", False), (path / "documents", False)]
+    return [(path, True), (path / "records", True), (path / "locks", True), *made]
 
 
 def _mode_facts(path: Path, required: bool, out: _Report) -> None:
@@ -183,7 +184,30 @@ def _open_facts(where: Where, out: _Report) -> None:
     out.fact("reachable", f"yes: {url_of(ledger.backend)}; {summary}")
     if counts[Status.UNCERTAIN]:
         out.fact("", "uncertain records wait for a decision: ls --status uncertain")
+    _outbox_facts(ledger, out)
     _durability_facts(ledger.backend, out)
+
+
+def _outbox_facts(ledger: Any, out: _Report) -> None:
+    """What the outbox holds for a person and has not delivered (notifications.md)."""
+    from ..notifications._outbox import Outbox
+
+    try:
+        waiting = Outbox(ledger.backend).entries(include_delivered=False)
+    except Exception as exc:  # noqa: BLE001 - reported, never a crash of doctor
+        out.problem("outbox", f"cannot be read: {type(exc).__name__}: {exc}")
+        return
+    if not waiting:
+        out.fact("outbox", "nothing waits for delivery")
+        return
+    oldest = ago(ledger.backend.now() - min(e.at for e in waiting))
+    failing = sum(1 for e in waiting if any(d.last_error for d in e.deliveries))
+    out.fact(
+        "outbox",
+        f"{len(waiting)} notification(s) not yet delivered, the oldest written {oldest}"
+        + (f", {failing} failing" if failing else "")
+        + ": notifications ls --state pending (is a dispatcher running? notify --watch)",
+    )
 
 
 def _durability_facts(backend: Any, out: _Report) -> None:

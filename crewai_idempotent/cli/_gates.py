@@ -17,6 +17,8 @@ from .._spend import exponent, format_money
 from ._output import duration, ledger_errors, safe, stamp
 from ._where import Where
 
+_LS_SUMMARY = 200  # characters of the arguments `approvals ls` shows on a request's line
+
 
 def _approvals(where: Where) -> Approvals:
     return Approvals(where.ledger().backend)
@@ -56,6 +58,8 @@ def list_approvals(where: Where, state: str, as_json: bool) -> None:
         return
     for r in found:
         summary = json.dumps(r.summary, sort_keys=True, default=str)
+        if len(summary) > _LS_SUMMARY:  # one line per request; `show` prints the whole call
+            summary = summary[: _LS_SUMMARY - 1] + "…"
         click.echo(
             safe(
                 f"{r.id}  {r.state.value:<8}  {r.tool}  {summary}  key={r.key!r}  "

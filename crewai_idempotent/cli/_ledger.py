@@ -14,6 +14,7 @@ from .._approvals import KIND as APPROVALS
 from .._gatestore import PREFIX, is_document
 from .._results import describe, unrestorable
 from .._spend import KIND as SPEND
+from ..notifications._outbox import OUTBOX, is_entry
 from ._output import (
     ago,
     check_key,
@@ -89,7 +90,9 @@ def _filters(function: Any) -> Any:
     return function
 
 
-def _select(where: Where, filters: dict[str, Any]) -> tuple[Ledger, list[Record], float]:
+def _select(
+    where: Where, filters: dict[str, Any], entries: bool = True
+) -> tuple[Ledger, list[Record], float]:
     older, newer = duration(filters["older_than"]), duration(filters["newer_than"])
     status, stale = filters["status"], filters["stale"]
     prefixes = [p for p in (filters["prefix"],) if p is not None]
@@ -104,6 +107,12 @@ def _select(where: Where, filters: dict[str, Any]) -> tuple[Ledger, list[Record]
             records = [r for r in records if _stale(ledger, r, now)]
     if filters["needs_operator"]:
         records = [r for r in records if r.needs_operator]
+    if not entries and not any(
+        p.startswith(OUTBOX[: len(p)]) and len(p) > len(PREFIX) for p in prefixes
+    ):
+        # The outbox's entries have their own command (`notifications ls`); a --prefix
+        # that names them shows them here too.
+        records = [r for r in records if not is_entry(r)]
     for prefix in prefixes:
         records = [r for r in records if r.key.startswith(prefix)]
     if older is not None:
@@ -118,8 +127,8 @@ def _select(where: Where, filters: dict[str, Any]) -> tuple[Ledger, list[Record]
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_obj
 def list_records(where: Where, as_json: bool, **filters: Any) -> None:
-    """List records, oldest update first."""
-    ledger, records, now = _select(where, filters)
+    """List records, oldest update first (the outbox's entries: `notifications ls`)."""
+    ledger, records, now = _select(where, filters, entries=False)
     if as_json:
         click.echo(
             machine([json.loads(r.to_json()) | {"stale": _stale(ledger, r, now)} for r in records])
@@ -380,8 +389,8 @@ def purge(where: Where, everything: bool, yes: bool) -> None:
     """Delete COMMITTED records whose TTL has passed (never PENDING or UNCERTAIN ones).
 
     With --all, every COMMITTED and FAILED record goes, and with them the approval
-    requests and spend-cap budgets the ledger keeps as records: the confirmation counts
-    each."""
+    requests, spend-cap budgets and notifications the ledger keeps as records: the
+    confirmation counts each."""
     if everything and not yes:
         with ledger_errors(where.scrub):
             counts = _purgeable(where.ledger().records())
@@ -394,11 +403,13 @@ def purge(where: Where, everything: bool, yes: bool) -> None:
 def _purgeable(records: list[Record]) -> dict[str, int]:
     """What `purge --all` would delete, by kind: receipts and failures, approval
     requests, spend-cap windows."""
-    counts = {"receipts": 0, "approvals": 0, "spend": 0}
+    counts = {"receipts": 0, "approvals": 0, "spend": 0, "notifications": 0}
     for record in records:
         if record.status not in (Status.COMMITTED, Status.FAILED):
             continue
-        if not is_document(record):
+        if is_entry(record):
+            counts["notifications"] += 1
+        elif not is_document(record):
             counts["receipts"] += 1
         elif record.key.startswith(PREFIX + APPROVALS):
             counts["approvals"] += 1
@@ -412,7 +423,8 @@ def _purge_warning(where: Where, counts: dict[str, int]) -> str:
         f"--all deletes, from {where.label}: {counts['receipts']} COMMITTED and FAILED "
         "record(s), whose receipts are lost (a retry of any of those operations runs it "
         f"again); {counts['approvals']} approval request(s) with their decisions (approved "
-        "calls ask again); and "
-        f"{counts['spend']} spend-cap budget(s), with the spend counted so far (the caps "
-        "start again from zero). Continue?"
+        f"calls ask again); {counts['spend']} spend-cap budget(s), with the spend counted so "
+        f"far (the caps start again from zero); and {counts['notifications']} notification(s) "
+        "of the outbox, with their deliveries (those not yet delivered never will be). "
+        "Continue?"
     )

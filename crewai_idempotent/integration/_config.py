@@ -54,6 +54,7 @@ KeySpec = str | Callable[[dict[str, Any], Any], str]
 Reconciler = Callable[[str, Any], "Verdict | Any"]
 Fingerprinter = Callable[[dict[str, Any]], Any]
 
+NOTIFY_ENV = "CREWAI_IDEMPOTENCY_NOTIFY"  # as notifications._channels.ENV, not loaded here
 _ON_UNCERTAIN = ("raise", "report")
 _ON_APPROVAL = ("raise", "report")
 _ON_STALE = get_args(StalePolicy)
@@ -176,6 +177,10 @@ class IdempotencyConfig:
       its connect timeout (`LedgerUnavailable` if not). None: yes, unless
       CREWAI_IDEMPOTENCY_CHECK_REACHABLE=0; False for a process that starts before its
       server (the first guarded call reports an unreachable one then).
+    - `notify`: notification channels (URLs such as `webhook+https://...#secret_env=...`,
+      `slack+https://hooks.slack.com/...`, or `Channel` objects): this process delivers
+      its ledger's outbox to them (docs/notifications.md); checked here. None defers to
+      the next level, then to CREWAI_IDEMPOTENCY_NOTIFY.
     """
 
     backend: CacheBackend | str | None = None
@@ -193,9 +198,14 @@ class IdempotencyConfig:
     on_approval: Literal["raise", "report"] | None = None
     approval_wait_s: float | None = None
     check_reachable: bool | None = None
+    notify: Any = None
 
     def __post_init__(self) -> None:
         _check_crew_gates(self)
+        if self.notify is not None:
+            from ..notifications._channels import channels_from
+
+            object.__setattr__(self, "notify", channels_from(self.notify, "notify"))
         if self.backend is not None and not isinstance(self.backend, CacheBackend | str):
             raise TypeError(
                 "backend must be a crewai_idempotent CacheBackend or a ledger URL string, "
@@ -501,6 +511,7 @@ def _resolve(
             ) from exc
     announce(source, backend)
     ledger = ledger_for(backend)
+    _notifying(backend, [config for _, config in levels])
     options = ledger._call_options(
         pick("wait_s"),
         pick("lease_s"),
@@ -518,6 +529,26 @@ def _resolve(
         gates=gate_rules(tool, [config for _, config in levels], tool_name),
     )
     return settings, source, read
+
+
+def _notifying(backend: CacheBackend, levels: list[IdempotencyConfig]) -> None:
+    """A setting that names channels (the nearest level's `notify`, else
+    CREWAI_IDEMPOTENCY_NOTIFY, read now) makes this process deliver the ledger's outbox."""
+    channels = next((config.notify for config in levels if config.notify is not None), None)
+    if channels is None:
+        value = os.environ.get(NOTIFY_ENV, "").strip()
+        if not value:
+            return
+        from ..notifications._channels import channels_from
+
+        try:
+            channels = channels_from(value, NOTIFY_ENV)
+        except (ValueError, TypeError) as exc:
+            raise LedgerConfigurationError(f"{NOTIFY_ENV}: {exc}") from exc
+    if channels:
+        from ..notifications import _inprocess
+
+        _inprocess.ensure(backend, channels)
 
 
 def merge_crew_settings(

@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._backend import DOCUMENTS
 from .._errors import OutcomeUncertain, OutcomeUnknown
 from ..backends.sqlite import SQLiteCacheBackend
+from ..notifications._outbox import OUTBOX
 from . import URL_ENV, configure, install
 from ._compat import ALLOW_UNTESTED_ENV
 from ._scripted import OFFLINE as _OFFLINE
@@ -260,8 +262,13 @@ def _run(check: Check, workdir: Path) -> str:
         _expect(charged == invoices, f"charges made {charged}, expected one each of {invoices}")
         _expect(halted == 0, "a kickoff stopped as uncertain with no uncertain outcome")
     where = crew_ledger if check.path != "agent" else default_ledger
-    stored = list(where.scan())
+    # The calls' records; the ledger's own documents (the outbox's entry for an uncertain
+    # outcome) are not calls.
+    stored = [r for r in where.scan() if not r.key.startswith(DOCUMENTS)]
     _expect(len(stored) == len(charged), f"{len(stored)} record(s) in the expected ledger")
+    if uncertain:
+        told = list(where.scan_prefix(OUTBOX))
+        _expect(bool(told), "an uncertain outcome was not put in the outbox for a person")
     if check.path != "agent":
         strays = list(default_ledger.scan())
         _expect(not strays, "a call used the process default ledger instead of the crew's")

@@ -22,6 +22,9 @@ def _forget_ledgers() -> None:
     """No process default; the ledgers opened from URLs and default paths closed and
     forgotten, and the "which ledger" announcements said again."""
     _config.configure(None)
+    running = sys.modules.get("crewai_idempotent.notifications._inprocess")
+    if running is not None:
+        running.stop_all()  # their threads use the ledgers closed below
     with _ledgers._lock:
         for backend in [*_ledgers.url_backends.values(), *_ledgers.default_backends.values()]:
             with contextlib.suppress(Exception):  # closing is best effort here
@@ -41,6 +44,7 @@ def isolated_crewai(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     # crewai's memory storage would read CREWAI_STORAGE_DIR as a path relative to cwd.
     monkeypatch.delenv("CREWAI_STORAGE_DIR", raising=False)
     monkeypatch.delenv("CREWAI_IDEMPOTENCY_URL", raising=False)
+    monkeypatch.delenv("CREWAI_IDEMPOTENCY_NOTIFY", raising=False)
     _forget_ledgers()
     yield data
     _forget_ledgers()

@@ -1,0 +1,435 @@
+"""The outbox of what needs a person, kept in the ledger's own store.
+
+An entry is a document under `crewai-idempotent/outbox/<id>` (a COMMITTED record that
+never expires, like the approval and spend documents), so it lives wherever the records
+live: every backend, every host that shares the store.
+
+**An entry exists if and only if its transition does.** The store has no transaction over
+two keys, so the entry is tied to the write that is the transition:
+
+- the write carries the entry's *mark*: an approval request or a cap window (documents)
+  lists the ids of its entries (`outbox`), and a record's transition is its history event,
+  from which the entry's id is computed;
+- the entry document is inserted *before* that write, naming the write it waits for (the
+  key and the token and revision the write replaces). Until someone sees the mark it is
+  `unconfirmed`; once the mark is seen it is `due`; once the source has moved on without
+  the mark, the write it waited for lost its race or never happened, and the entry is void
+  (deleted, never delivered).
+
+So a crash between the two writes leaves an entry that is never delivered, and a crash
+after both leaves one that is: `confirmation` decides which, from the store alone. An
+entry that needs no transition (an alert of your own, a spend-cap refusal, a ledger that
+did not answer) is `due` from the start, and written once per `dedupe` key.
+
+The entries' delivery state (attempts, the next try, the claim of the dispatcher sending
+it) is kept in the entry document itself, which only dispatchers write once it exists:
+delivery bookkeeping never competes with a key's own writes. `_dispatch` delivers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._backend import DOCUMENTS, CacheBackend
+from .._errors import LedgerUnavailable
+from .._record import Record, Status
+from .._results import decode, encode
+
+#: Entries not yet delivered to every channel.
+OUTBOX = DOCUMENTS + "outbox/"
+#: Entries delivered to every channel, kept for `notifications ls` until they are pruned.
+DELIVERED = DOCUMENTS + "delivered/"
+#: What every document carries as its fingerprint (the same as `_gatestore`'s).
+DOCUMENT = "crewai-idempotent-document"
+#: Marks a document keeps (the latest): more than its entries could pile up unconfirmed.
+MARKS_KEPT = 100
+
+#: The entry types the package writes, and what each means for a person.
+TYPES = {
+    "approval.requested": "a call waits for approval (a new request, or a new round of one)",
+    "approval.approved": "an approval request was approved",
+    "approval.denied": "an approval request was denied",
+    "approval.expired": "an approval was not used before its grant expired",
+    "record.uncertain": "a call's outcome is unknown: someone must check and resolve it",
+    "record.resolved": "an uncertain call was settled (by an operator or its reconciler)",
+    "spend.refused": "a spend cap refused a call",
+    "spend.threshold": "a spend cap window passed its warning share of the limit",
+    "ledger.unavailable": "the ledger did not answer a process for a while",
+}
+
+_TYPE = re.compile(r"^[a-z][a-z0-9_-]*(\.[a-z0-9_-]+)+$")
+_ID = re.compile(r"^ob_[0-9a-f]{24}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """An entry a document's change calls for: its type and what it says."""
+
+    type: str
+    data: Mapping[str, Any]
+
+
+def check_type(value: Any) -> str:
+    if not isinstance(value, str) or not _TYPE.match(value) or len(value) > 100:
+        raise ValueError(
+            "an entry type is dotted lower-case words such as 'alert.stale_uncertain', "
+            f"not {value!r}"
+        )
+    return value
+
+
+def check_id(value: Any) -> str:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise ValueError(f"not an outbox entry id (ob_ and 24 hex digits): {value!r}")
+    return value
+
+
+def _digest_id(*parts: Any) -> str:
+    text = "\x00".join(str(part) for part in parts)
+    return "ob_" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def _entry(
+    entry_id: str,
+    type_: str,
+    at: float,
+    subject: str | None,
+    data: Mapping[str, Any],
+    source: Mapping[str, Any] | None,
+    seq: int = 0,
+) -> Record:
+    doc = {
+        "kind": "outbox", "v": 1, "id": entry_id, "type": type_, "at": at, "seq": seq,
+        "subject": subject, "data": dict(data), "source": dict(source) if source else None,
+        "state": "unconfirmed" if source else "due", "confirmed_at": None if source else at,
+        "deliveries": {}, "log": [], "tries": 0, "claim": None, "watch": _watch(type_, data),
+    }  # fmt: skip
+    return Record(
+        OUTBOX + entry_id, Status.COMMITTED, DOCUMENT, 1, 1, None, 0, at, at, result=encode(doc)
+    )
+
+
+def _watch(type_: str, data: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a dispatcher checks again later: a granted approval, when its grant ends."""
+    if type_ != "approval.approved" or data.get("grant_expires_at") is None:
+        return None
+    return {"id": data["id"], "round": data["round"], "at": data["grant_expires_at"]}
+
+
+def put_entries(backend: CacheBackend, entries: Iterable[Record]) -> None:
+    """Insert entries (insert-if-absent: one already there is the same entry)."""
+    for entry in entries:
+        backend.insert(entry)
+    _wake(backend)
+
+
+def _wake(backend: CacheBackend) -> None:
+    # Only where this process runs a dispatcher of its own (`_inprocess`): never loaded here.
+    running = sys.modules.get("crewai_idempotent.notifications._inprocess")
+    if running is not None:
+        running.wake(backend)
+
+
+# -- what a record's transition means (the ledger's machine) ----------------------------
+
+
+def of_transition(held: Record | None, new: Record) -> list[Record]:
+    """The entries the write of `new` over `held` calls for: a record turned UNCERTAIN (or
+    flagged for an operator), or settled after being UNCERTAIN (or resolved by hand).
+    Their ids come from the transition's history event, which is the mark."""
+    if not new.history:
+        return []
+    before = held.status if held is not None else None
+    event = new.history[-1]
+    if new.status is Status.UNCERTAIN:
+        flagged = new.needs_operator and not (held is not None and held.needs_operator)
+        if before is Status.UNCERTAIN and not flagged:
+            return []  # still uncertain, nothing new for a person
+        type_ = "record.uncertain"
+    elif before is Status.UNCERTAIN or event.kind == "resolve":
+        type_ = "record.resolved"
+    else:
+        return []
+    mark = [event.at, event.kind, event.token, event.by]
+    entry_id = _digest_id(new.key, *mark)
+    data = {
+        "key": new.key, "status": new.status.value, "previous": before.value if before else None,
+        "token": new.token, "attempts": new.attempts, "fingerprint": new.fingerprint,
+        "needs_operator": new.needs_operator, "event": event.kind, "by": event.by,
+        "note": event.note, "error": new.error,
+        "owner": new.owner.label if new.owner is not None else None,
+    }  # fmt: skip
+    source = {
+        "key": new.key, "token": held.token if held is not None else 0,
+        "revision": held.revision if held is not None else 0, "event": mark,
+    }  # fmt: skip
+    return [_entry(entry_id, type_, event.at, new.key, data, source)]
+
+
+# -- what a document's change means (`_gatestore.update`) -------------------------------
+
+
+def of_document(
+    key: str, current: Record | None, notes: Iterable[Note], now: float
+) -> list[Record]:
+    """Entries for the notes of one attempt at changing the document `key` (stored as
+    `current`); each attempt gets ids of its own, and only the attempt whose write lands
+    leaves its marks (`doc["outbox"]`) in the document."""
+    source = {
+        "key": key, "token": current.token if current is not None else 0,
+        "revision": current.revision if current is not None else 0,
+    }  # fmt: skip
+    entries = []
+    for seq, note in enumerate(notes):
+        entry_id = "ob_" + secrets.token_hex(12)
+        mark = {**source, "mark": entry_id}
+        entries.append(_entry(entry_id, check_type(note.type), now, key, note.data, mark, seq))
+    return entries
+
+
+def marked(doc: dict[str, Any], entries: Iterable[Record]) -> dict[str, Any]:
+    """`doc` carrying the marks of `entries`, after the ones it had (the latest kept)."""
+    marks = [*doc.get("outbox", ()), *(entry.key[len(OUTBOX) :] for entry in entries)]
+    return {**doc, "outbox": marks[-MARKS_KEPT:]}
+
+
+# -- entries that need no transition ----------------------------------------------------
+
+
+def put(
+    backend: CacheBackend,
+    type: str,
+    data: Mapping[str, Any],
+    *,
+    subject: str | None = None,
+    dedupe: str | None = None,
+) -> Entry:
+    """Put an entry of `type` in the outbox of `backend`'s ledger, due at once.
+
+    `dedupe` makes it once-only: the same `type` and `dedupe` name the same entry, which
+    is written once however many processes put it (insert-if-absent) and returned as it
+    is stored. Without it every call is a new entry."""
+    check_type(type)
+    if dedupe is not None and not isinstance(dedupe, str):
+        raise TypeError(f"dedupe must be a str, not {dedupe!r}")
+    entry_id = _digest_id("put", type, dedupe) if dedupe else "ob_" + secrets.token_hex(12)
+    if dedupe:
+        sent = backend.get(DELIVERED + entry_id)
+        if sent is not None:  # delivered already (a dispatcher that meets it again skips it)
+            return Entry.of(_doc(sent))
+    record = _entry(entry_id, type, backend.now(), subject, _json(data), None)
+    held = backend.insert(record)
+    _wake(backend)
+    return Entry.of(_doc(record if held is None else held))
+
+
+def alert(
+    backend: CacheBackend,
+    type: str,
+    title: str,
+    text: str = "",
+    *,
+    subject: str | None = None,
+    fields: Mapping[str, Any] | None = None,
+    dedupe: str | None = None,
+) -> Entry:
+    """Tell a person something the ledger's transitions do not: an entry of `type`
+    (e.g. "alert.stale_uncertain") with a one-line `title`, a `text`, and `fields` shown
+    as name: value. `subject` is the idempotency key it is about, if any; `dedupe`, as for
+    `put`, makes the alert once-only ("stale:<key>:<token>")."""
+    if not isinstance(title, str) or not title.strip():
+        raise ValueError("an alert needs a title: a non-blank line")
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, not {type(text).__name__}")
+    data = {"title": title, "text": text, "fields": dict(fields or {})}
+    return put(backend, type, data, subject=subject, dedupe=dedupe)
+
+
+def _json(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` as JSON the entry can carry: values JSON cannot hold by their repr."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"an entry's data is a mapping of names to values, not {data!r}")
+
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        return repr(value)
+
+    return {str(name): plain(value) for name, value in data.items()}
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Where one entry stands with one channel."""
+
+    channel: str
+    state: str  # "pending" or "delivered"
+    attempts: int = 0
+    next_at: float | None = None
+    delivered_at: float | None = None
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One entry of the outbox, as `notifications ls` shows it.
+
+    `state`: "unconfirmed" (written before its transition, which has not been seen yet),
+    "due" (to be delivered) or "delivered" (to every channel). `id` is the delivery id a
+    receiver deduplicates on: the same on every try, to every channel. `log` holds the
+    latest tries, failed ones included; `tries` counts them all."""
+
+    id: str
+    type: str
+    at: float
+    subject: str | None
+    data: dict[str, Any]
+    state: str
+    confirmed_at: float | None = None
+    deliveries: tuple[Delivery, ...] = ()
+    log: tuple[dict[str, Any], ...] = ()
+    tries: int = 0
+    claimed_by: str | None = None
+    source: dict[str, Any] | None = field(default=None, repr=False)
+    seq: int = field(default=0, repr=False)  # the order of entries one write made
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> Entry:
+        claim = doc.get("claim")
+        return cls(
+            id=doc["id"], type=doc["type"], at=doc["at"], subject=doc.get("subject"),
+            data=dict(doc.get("data") or {}), state=doc["state"],
+            confirmed_at=doc.get("confirmed_at"),
+            deliveries=tuple(
+                Delivery(name, d["state"], d.get("attempts", 0), d.get("next_at"),
+                         d.get("delivered_at"), d.get("last_error"))
+                for name, d in sorted((doc.get("deliveries") or {}).items())
+            ),
+            log=tuple(doc.get("log") or ()), tries=int(doc.get("tries") or 0),
+            claimed_by=claim.get("by") if isinstance(claim, dict) else None,
+            source=doc.get("source"), seq=int(doc.get("seq") or 0),
+        )  # fmt: skip
+
+    @property
+    def summary(self) -> str:
+        """One line saying what the entry is about."""
+        data = self.data
+        if self.type.startswith("approval."):
+            return f"{data.get('tool')} {data.get('id')} (round {data.get('round')})"
+        if "title" in data:
+            return str(data["title"])
+        return str(self.subject or TYPES.get(self.type, self.type))
+
+
+def is_entry(record: Record) -> bool:
+    return record.fingerprint == DOCUMENT and record.key.startswith((OUTBOX, DELIVERED))
+
+
+def _doc(record: Record) -> dict[str, Any]:
+    value = decode(record.result)
+    if not isinstance(value, dict) or value.get("kind") != "outbox":
+        raise LedgerUnavailable(f"the ledger holds a corrupt outbox entry under {record.key!r}")
+    return value
+
+
+def doc_of(record: Record) -> dict[str, Any]:
+    """The entry document a record holds."""
+    return _doc(record)
+
+
+def pending(backend: CacheBackend) -> list[tuple[Record, dict[str, Any]]]:
+    """Every entry not yet delivered to every channel, with its document."""
+    return [(r, _doc(r)) for r in backend.scan_prefix(OUTBOX) if r.fingerprint == DOCUMENT]
+
+
+def delivered(backend: CacheBackend) -> list[tuple[Record, dict[str, Any]]]:
+    return [(r, _doc(r)) for r in backend.scan_prefix(DELIVERED) if r.fingerprint == DOCUMENT]
+
+
+#: What `confirmation` finds: the transition happened, may still happen, or never will.
+HAPPENED, WAITING, VOID = "happened", "waiting", "void"
+
+
+def confirmation(backend: CacheBackend, doc: Mapping[str, Any]) -> str:
+    """Whether the transition an unconfirmed entry waits for has happened (its mark is in
+    the source), may still happen (the source is still what the write would replace), or
+    never will (the source moved on without the mark: that write lost its race, or its
+    writer died before it and someone else wrote)."""
+    source = doc.get("source")
+    if not source or doc.get("state") != "unconfirmed":
+        return HAPPENED
+    held = backend.get(source["key"])
+    if held is not None and _marks(held, source):
+        return HAPPENED
+    if held is None:
+        return WAITING if source["revision"] == 0 else VOID
+    if (held.token, held.revision) == (source["token"], source["revision"]):
+        return WAITING
+    return VOID
+
+
+def _marks(held: Record, source: Mapping[str, Any]) -> bool:
+    mark = source.get("mark")
+    if mark is not None:  # a document: its marks list
+        if held.fingerprint != DOCUMENT:
+            return False
+        value = decode(held.result)
+        return isinstance(value, dict) and mark in (value.get("outbox") or ())
+    wanted = source.get("event")
+    return any(
+        [e.at, e.kind, e.token, e.by] == wanted for e in reversed(held.history)
+    )  # a record: the transition's history event
+
+
+class Outbox:
+    """The outbox of the ledger kept in `backend`: what needs a person, and how each
+    entry's deliveries went. Reading only; `Dispatcher` delivers."""
+
+    def __init__(self, backend: CacheBackend) -> None:
+        self.backend = backend
+
+    def entries(self, *, include_delivered: bool = True, waiting: bool = False) -> list[Entry]:
+        """Every entry whose transition happened, oldest first: an unconfirmed one is
+        looked up, and shown as due once its transition is seen. With `waiting`, those
+        whose transition has not happened yet (and may never) too, as "unconfirmed"."""
+        found = []
+        for _record, doc in pending(self.backend):
+            if doc["state"] == "unconfirmed":
+                verdict = confirmation(self.backend, doc)
+                if verdict == VOID or (verdict == WAITING and not waiting):
+                    continue
+                if verdict == HAPPENED:
+                    doc = {**doc, "state": "due"}
+            found.append(Entry.of(doc))
+        if include_delivered:
+            found += [Entry.of(doc) for _record, doc in delivered(self.backend)]
+        return sorted(found, key=lambda e: (e.at, e.seq, e.id))
+
+    def get(self, entry_id: str) -> Entry | None:
+        """The entry, if its transition happened (or if it waits for one: "unconfirmed")."""
+        check_id(entry_id)
+        for prefix in (OUTBOX, DELIVERED):
+            record = self.backend.get(prefix + entry_id)
+            if record is not None:
+                doc = _doc(record)
+                if doc["state"] == "unconfirmed":
+                    verdict = confirmation(self.backend, doc)
+                    if verdict == VOID:
+                        return None
+                    if verdict == HAPPENED:
+                        doc = {**doc, "state": "due"}
+                return Entry.of(doc)
+        return None
