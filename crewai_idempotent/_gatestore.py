@@ -53,12 +53,15 @@ def update(
     backend: CacheBackend,
     key: str,
     change: Callable[[dict[str, Any] | None, float], dict[str, Any]],
+    *,
+    expires_at: float | None = None,
 ) -> dict[str, Any]:
     """Apply `change(current_doc_or_None, store_now)` atomically and return the new doc.
 
     `change` may be called several times (once per lost race) and must decide only from
     what it is given; it raises `Unchanged(doc)` to write nothing, or any other
-    exception to abort.
+    exception to abort. `expires_at`: when `purge` may delete the document (a console
+    session); by default never.
     """
     lost = 0
     while True:
@@ -74,10 +77,13 @@ def update(
             record = Record(
                 key=key, status=Status.COMMITTED, fingerprint=_FINGERPRINT, token=1, revision=1,
                 owner=None, attempts=0, created_at=now, updated_at=now, result=payload,
+                expires_at=expires_at,
             )  # fmt: skip
             if backend.insert(record) is None:
                 return new_doc
-        elif backend.replace(current, current.evolve(None, result=payload, updated_at=now)):
+        elif backend.replace(
+            current, current.evolve(None, result=payload, updated_at=now, expires_at=expires_at)
+        ):
             return new_doc
         lost += 1
         # Many writers on one document: a short random pause spreads the retries out.

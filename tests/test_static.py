@@ -37,5 +37,5 @@ def test_the_all_extra_holds_every_optional_backend_and_integration() -> None:
         "optional-dependencies"
     ]
     users = set(extras) - {"all", "test", "bench"}  # the others are for working on this
-    assert users == {"postgres", "redis", "otel"}, "a new extra: add it to [all] too"
+    assert users == {"postgres", "redis", "otel", "console"}, "a new extra: add it to [all] too"
     assert sorted(extras["all"]) == sorted(dep for name in users for dep in extras[name])

@@ -16,8 +16,8 @@ Everything printed for people is safe for a terminal: control and bidirectional-
 characters in keys, errors and receipts are shown escaped, and ledger passwords as `***`.
 
 The commands live beside this module: `_ledger` (ls, show, resolve, purge, export),
-`_gates` (approvals, spend), `_doctor`, `_demos`; they print through `_output` and find
-the ledger through `_where`, never through this module.
+`_gates` (approvals, spend), `_doctor`, `_demos`, `_console` (the web console); they print
+through `_output` and find the ledger through `_where`, never through this module.
 
 Exit status: 0 done; 1 refused, not found, or the ledger is unavailable; 2 bad usage
 (including a malformed ledger URL or --result that is not JSON).
@@ -29,6 +29,7 @@ import click
 from click.core import ParameterSource
 
 from ..integration import URL_ENV
+from ._console import console
 from ._demos import demo, demo_approvals
 from ._doctor import doctor
 from ._gates import approvals, spend
@@ -77,5 +78,6 @@ for _command in (
     approvals,
     spend,
     demo_approvals,
+    console,
 ):
     main.add_command(_command)
