@@ -74,9 +74,11 @@ class Served:
     url: str
     process: subprocess.Popen[str]
     lines: queue.Queue[str]
+    seen: list[str]
 
     def output(self) -> str:
-        found = []
+        """Everything it printed so far."""
+        found = self.seen
         with contextlib.suppress(queue.Empty):
             while True:
                 found.append(self.lines.get_nowait())
@@ -118,7 +120,7 @@ def served(
         if match:
             url = match.group(1)
     try:
-        yield Served(url, process, lines)
+        yield Served(url, process, lines, seen)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)

@@ -693,3 +693,23 @@ def test_the_event_stream_says_changed_when_the_ledger_moves(backend: CacheBacke
     before = watcher._digest()
     Accounts(backend).set("alice", role="operator")
     assert watcher._digest() == before
+
+
+def test_ended_sessions_are_deleted_by_purge_and_by_the_sweep(backend: CacheBackend) -> None:
+    from crewai_idempotent.console._sessions import PREFIX, Sessions
+
+    sessions = Sessions(backend, ttl_s=3600, idle_s=600)
+    token, _ = sessions.start("alice", 1, "password")
+    gone, _ = sessions.start("bob", 1, "password")
+    live = [r.key for r in backend.scan() if r.key.startswith(PREFIX)]
+    assert len(live) == 2 and all(token not in key and gone not in key for key in live)
+    # Past its end by the ledger's clock: purge (expired receipts only) deletes it.
+    record = next(r for r in backend.scan() if r.key.startswith(PREFIX))
+    backend.replace(record, record.evolve(None, expires_at=backend.now() - 1))
+    assert Ledger(backend).purge() == 1
+    # Idle too long: the sweep deletes it, and it no longer opens anything.
+    later = Sessions(backend, ttl_s=3600, idle_s=600)
+    later.idle_s = 0.0
+    assert later.sweep() == 1
+    assert [r for r in backend.scan() if r.key.startswith(PREFIX)] == []
+    assert sessions.find(token) is None and sessions.find(gone) is None

@@ -210,6 +210,28 @@ def test_an_approver_sees_the_whole_call_live_and_one_approval_pays_once(
     assert alice.dialogs == [] and alice.errors == []
 
 
+def test_a_live_update_leaves_a_form_being_filled_in_alone(people: Any, ledger_url: str) -> None:
+    backend = backend_from_url(ledger_url)
+    first = ask(backend, "pay_invoice:typing", {"invoice": "INV-20", "amount_cents": 5})
+    alice = people("alice")
+    card = alice.card(first)
+    card.locator("form.deny input[name=reason]").fill("half written")
+    ask(backend, "pay_invoice:other", {"invoice": "INV-21", "amount_cents": 6})
+    backend.close()
+    status = alice.page.locator("#live-status")
+    status.wait_for()  # the news is announced, the region with the form is kept
+    assert "reload to see it" in status.inner_text()
+    assert card.locator("form.deny input[name=reason]").input_value() == "half written"
+    assert alice.card("INV-21").count() == 0
+    card.locator("form.deny input[name=reason]").fill("")
+    alice.page.locator("header.top").click()  # nothing focused, nothing edited: it updates
+    ask_again = backend_from_url(ledger_url)
+    ask(ask_again, "pay_invoice:third", {"invoice": "INV-22", "amount_cents": 7})
+    ask_again.close()
+    alice.card("INV-22").wait_for()
+    assert alice.card("INV-21").count() == 1 and alice.errors == []
+
+
 def test_a_denial_leaves_it_unpaid(people: Any, ledger_url: str, charges: FakeProvider) -> None:
     assert kickoff(ledger_url, charges, "INV-8")["error"] == "ApprovalRequired"
     alice = people("alice")
