@@ -121,6 +121,7 @@ def test_serving_mistakes_are_refused_before_it_listens(url: str, tmp_path: Path
         assert done.exit_code == 2 and message in done.output, (args, done.output)
     missing = CliRunner().invoke(main, ["--ledger", f"sqlite:///{tmp_path}/nope.db", "console"])
     assert missing.exit_code == 1 and "no ledger at" in missing.output
+    assert "demo-approvals --ledger-path" in missing.output
 
 
 def test_a_busy_port_is_one_clear_error(url: str) -> None:
@@ -139,6 +140,7 @@ def test_the_console_says_where_it_listens_and_warns_off_loopback(url: str) -> N
     out = console.output()
     assert "WARNING: listening on 0.0.0.0, not loopback, without TLS" in out
     assert "no account can log in yet" in out
+    assert "it answers only to the Host names localhost, 127.0.0.1 and ::1" in out
     assert console.url.startswith("http://0.0.0.0:")
 
 

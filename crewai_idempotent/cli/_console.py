@@ -53,6 +53,21 @@ def _secret(path: str | None) -> str | None:
     return value or None
 
 
+def _backend(where: Where) -> Any:
+    """The ledger's store; a ledger that does not exist yet is reported with what to do."""
+    try:
+        with ledger_errors(where.scrub):
+            return where.ledger().backend
+    except click.ClickException as exc:
+        if not exc.message.startswith("no ledger at"):
+            raise
+        raise click.ClickException(
+            f"{exc.message}. The console works on the ledger your crews write: point --ledger "
+            "at it, or make one to try it with `crewai-idempotent demo-approvals --ledger-path "
+            "ledger.db` and then --ledger sqlite:///ledger.db"
+        ) from None
+
+
 def _where(ctx: click.Context, url: str | None) -> Where:
     """The console's own --ledger, else the one given before `console`."""
     if url is None:
@@ -150,8 +165,8 @@ def _serve(where: Where, **o: Any) -> None:
         )  # fmt: skip
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    backend = _backend(where)
     with ledger_errors(where.scrub):
-        backend = where.ledger().backend
         _check_accounts(backend, settings.auth)
     try:
         serve(
@@ -185,7 +200,7 @@ def _accounts(where: Where) -> Any:
         from ..console._accounts import Accounts
     except ImportError as exc:  # pragma: no cover - the module itself has no hard import
         raise _need_extra(exc) from None
-    return Accounts(where.ledger().backend)
+    return Accounts(_backend(where))
 
 
 def _account_errors() -> Any:

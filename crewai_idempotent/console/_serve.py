@@ -9,6 +9,7 @@ believes those headers only from its configured proxies (`_auth.Trust`).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket
 from collections.abc import Callable
@@ -92,6 +93,11 @@ def serve(
     import uvicorn
 
     sock = bind(host, port)
+    if not is_loopback(host) and host not in ("0.0.0.0", "::", "[::]"):
+        # Told to listen on this name or address: browsers will use it as the Host.
+        settings = dataclasses.replace(
+            settings, allowed_hosts=(*settings.allowed_hosts, host.strip("[]"))
+        )
     app = create_app(backend, settings)
     config = uvicorn.Config(
         app,
@@ -107,6 +113,11 @@ def serve(
     note = warning(host, settings)
     if note:
         say(note)
+    if host in ("0.0.0.0", "::", "[::]") and not settings.allowed_hosts and not settings.public_url:
+        say(
+            "note: it answers only to the Host names localhost, 127.0.0.1 and ::1; give the "
+            "name browsers use with --allowed-host NAME or --public-url URL"
+        )
     where = url_of(sock, tls_cert is not None)
     say(f"crewai-idempotent console on {where} (ledger {app.state.console.label})")
     try:

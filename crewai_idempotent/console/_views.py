@@ -168,15 +168,15 @@ class Filters:
 class RecordsPage:
     rows: list[Row]
     matched: int
-    total: int
+    total: int  # in the status asked for (gate documents only if asked for too)
 
 
 def records_page(ledger: Ledger, filters: Filters, now: float) -> RecordsPage:
     wanted = Status(filters.status.upper()) if filters.status else None
     records = [r for r in ledger.records(wanted) if not is_console_doc(r.key)]
-    total = len(records)
     if not filters.documents:
         records = [r for r in records if not _gatestore.is_document(r)]
+    total = len(records)
     if filters.tool:
         records = [r for r in records if r.key.startswith(f"{filters.tool}:")]
     if filters.prefix:
