@@ -713,3 +713,22 @@ def test_ended_sessions_are_deleted_by_purge_and_by_the_sweep(backend: CacheBack
     assert later.sweep() == 1
     assert [r for r in backend.scan() if r.key.startswith(PREFIX)] == []
     assert sessions.find(token) is None and sessions.find(gone) is None
+
+
+def test_live_updates_do_not_keep_an_unattended_session_alive(backend: CacheBackend) -> None:
+    from crewai_idempotent.console._sessions import Sessions
+    from tests.clock import ClockedBackend, ManualClock
+
+    clock = ManualClock()
+    sessions = Sessions(ClockedBackend(backend, clock), ttl_s=3600, idle_s=600)
+    watched, _ = sessions.start("alice", 1, "password")
+    used, _ = sessions.start("bob", 1, "password")
+    for _ in range(5):
+        clock.advance(100)
+        assert sessions.find(watched, touch=False) is not None  # a page's live update
+        assert sessions.find(used) is not None  # a person's request
+    clock.advance(150)  # 650 s after login: idle for the first, not for the second
+    assert sessions.find(watched, touch=False) is None
+    assert sessions.find(used) is not None
+    clock.advance(3000)  # past the session's end, whatever the activity
+    assert sessions.find(used) is None

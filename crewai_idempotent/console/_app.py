@@ -57,7 +57,7 @@ from ._security import (
     same_origin,
     tokens_match,
 )
-from ._sessions import Sessions
+from ._sessions import Session, Sessions
 from ._settings import ConsoleSettings
 
 log = logging.getLogger("crewai_idempotent.console")
@@ -182,7 +182,7 @@ class Console:
         the caller sends the browser to log in."""
         if self.settings.auth == "proxy":
             return self._from_proxy(request)
-        session = self.sessions.find(request.cookies.get(self.cookie_name(request)))
+        session = self._session(request)
         if session is None:
             return None, None, None
         account = self.accounts.get(session.account)
@@ -214,7 +214,7 @@ class Console:
                 request, 403, f"{name} has no console account here. An operator adds one with "
                 f"`crewai-idempotent console users add {name} --role viewer --no-password`.",
             )  # fmt: skip
-        session = self.sessions.find(request.cookies.get(self.cookie_name(request)))
+        session = self._session(request)
         if session is not None and (
             session.account != account.name or session.generation != account.generation
         ):
@@ -224,6 +224,25 @@ class Console:
         if session is None:
             token, session = self.sessions.start(account.name, account.generation, "auth proxy")
         return Who(account.name, account.role, "auth proxy", session), token, None
+
+    def _session(self, request: Request) -> Session | None:
+        # A page's own live updates are not a person's activity: they do not keep an
+        # unattended tab's session alive.
+        live = request.url.path == "/events" or request.headers.get("x-console-live") == "1"
+        return self.sessions.find(request.cookies.get(self.cookie_name(request)), touch=not live)
+
+    def still(self, who: Who, token: str | None) -> bool:
+        """Whether `who`'s session (the cookie `token`) may go on: the account still there,
+        enabled, its sessions not ended since."""
+        account = self.accounts.get(who.name)
+        if account is None or account.disabled:
+            return False
+        session = self.sessions.find(token, touch=False)
+        return (
+            session is not None
+            and session.account == account.name
+            and session.generation == account.generation
+        )
 
     # -- every page and form --------------------------------------------------------------
 
@@ -626,24 +645,20 @@ def _home(console: Console, request: Request, who: Who, form: FormData | None) -
 
 async def events(request: Request) -> Response:
     console = _console(request)
-    who, _, refused = await run_in_threadpool(console.identify, request)
+    who, token, refused = await run_in_threadpool(console.identify, request)
     if refused is not None:
         return refused
     if who is None:
         return console.refusal(request, 401, "Not logged in (or the session ended).")
-    cookie = request.cookies.get(console.cookie_name(request))
-
-    def still_allowed() -> bool:
-        if console.settings.auth == "proxy":
-            return console.accounts.get(who.name) is not None
-        session = console.sessions.find(cookie)
-        return session is not None and session.account == who.name
-
-    return StreamingResponse(
-        console.watcher.stream(still_allowed),
+    cookie = token or request.cookies.get(console.cookie_name(request))
+    response = StreamingResponse(
+        console.watcher.stream(lambda: console.still(who, cookie)),
         media_type="text/event-stream",
         headers={"x-accel-buffering": "no"},  # nginx: pass each event on at once
     )
+    if token is not None:
+        console.set_session_cookie(request, response, token)
+    return response
 
 
 # -- Slack --------------------------------------------------------------------------------------

@@ -79,8 +79,10 @@ class Sessions:
         _gatestore.update(self.backend, key, create, expires_at=doc["expires_at"])
         return token, _session(key, doc)
 
-    def find(self, token: str | None) -> Session | None:
-        """The live session of `token`, or None (an ended one is deleted on the way)."""
+    def find(self, token: str | None, *, touch: bool = True) -> Session | None:
+        """The live session of `token`, or None (an ended one is deleted on the way).
+        `touch`: this request counts as activity (a person's; a page's live updates do
+        not, so an open tab nobody looks at still ends after `idle_s`)."""
         if not token or not _TOKEN.match(token):
             return None
         key = _key(token)
@@ -92,7 +94,7 @@ class Sessions:
         if now >= session.expires_at or now - session.seen_at >= self.idle_s:
             self._delete(key)
             return None
-        if now - session.seen_at >= TOUCH_S:
+        if touch and now - session.seen_at >= TOUCH_S:
             self._touch(key, now)
         return session
 
