@@ -52,6 +52,7 @@ OPTION_NAMES = (
     "on_approval",
     "approval_wait_s",
     "redact",
+    "approvers",
 )
 
 

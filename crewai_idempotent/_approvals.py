@@ -17,6 +17,12 @@ after the body is known not to have run (FAILED, `resolve --absent`) may use the
 again; once the key has committed, or under a new record for the key, the grant is spent
 and a new round of approval is needed.
 
+A request may need several distinct approvers (`approvers_needed`, the two-person rule):
+each approval is kept in `approvals` while the request stays PENDING, and the grant goes
+live, APPROVED, with the last one needed; it lasts until the earliest of their deadlines.
+One identity counts once; an approval whose own deadline passed before the others came
+no longer counts; one denial denies. A new round starts with none.
+
 A grant lasts `ttl_s` seconds of real time. On an embedded ledger (one host) it is judged
 by the host's clock (`_hostclock`), which no wall-clock step moves: a clock set back an
 hour does not stretch a grant, one set forward does not end it. Its deadline on that clock
@@ -78,6 +84,13 @@ class ApprovalRequest:
     history: tuple[dict[str, Any], ...] = field(default=())
     # The call's amount and the cap windows it counts against, as they stood when asked.
     spend: dict[str, Any] | None = None
+    # The two-person rule: how many distinct identities must approve, and who has so far
+    # in this round (by, at, until, reason, via).
+    approvers_needed: int = 1
+    approvals: tuple[dict[str, Any], ...] = field(default=())
+    # The crew, task and agent that asked, as people name them (crew, task and kickoff
+    # above are the keys the spend caps' windows use).
+    origin: dict[str, Any] = field(default_factory=dict)
     # Not stored: the URL of the ledger it was read from (None: the CLI's default ledger).
     ledger: str | None = field(default=None, compare=False)
 
@@ -95,7 +108,9 @@ class ApprovalRequest:
             round=d["round"], decided_at=d["decided_at"], decided_by=d["decided_by"],
             decision_reason=d["decision_reason"], grant_expires_at=d["grant_expires_at"],
             used_at=d["used_at"], used_token=d["used_token"], history=tuple(d["history"]),
-            spend=d.get("spend"), ledger=ledger,
+            spend=d.get("spend"), approvers_needed=d.get("approvers_needed", 1),
+            approvals=tuple(d.get("approvals", ())), origin=dict(d.get("origin") or {}),
+            ledger=ledger,
         )  # fmt: skip
 
 
@@ -115,8 +130,12 @@ def _check_id(rid: Any) -> str:
     return rid
 
 
-def _event(doc: dict[str, Any], now: float, what: str, by: str, note: str = "") -> None:
+def _event(
+    doc: dict[str, Any], now: float, what: str, by: str, note: str = "", via: str = ""
+) -> None:
     entry = {"at": now, "what": what, "by": by, "note": note}
+    if via:
+        entry["via"] = via  # where the decision was made: "console", "slack", ...
     doc["history"] = [*doc["history"], entry][-_HISTORY_LIMIT:]
 
 
@@ -129,6 +148,14 @@ class ApprovalNotFound(LookupError):
 
 class ApprovalAlreadyDecided(ValueError):
     """Only a PENDING request can be approved or denied."""
+
+
+class ApprovalMovedOn(ApprovalAlreadyDecided):
+    """The decision named the round it was made on, and the request is in another one."""
+
+
+class ApprovalNeedsAnother(ApprovalAlreadyDecided):
+    """This identity has approved this round already: the rule wants distinct approvers."""
 
 
 class Approvals:
@@ -162,19 +189,41 @@ class Approvals:
         return sorted(found, key=lambda r: r.created_at)
 
     def approve(
-        self, rid: str, *, by: str, reason: str = "", ttl_s: float = DEFAULT_APPROVAL_TTL
+        self,
+        rid: str,
+        *,
+        by: str,
+        reason: str = "",
+        ttl_s: float = DEFAULT_APPROVAL_TTL,
+        via: str = "",
+        round: int | None = None,
     ) -> ApprovalRequest:
-        """Grant a PENDING request; the grant must be used within `ttl_s` seconds."""
+        """Grant a PENDING request; the grant must be used within `ttl_s` seconds.
+
+        `by` is who approves, as authenticated where the decision is made; `via` where
+        (kept in the history). With `round`, the decision is refused (`ApprovalMovedOn`)
+        unless the request is still in that round: it binds what the approver looked at.
+        A request that needs more approvers stays PENDING with this approval counted.
+        """
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0:
             raise ValueError(f"ttl_s must be a positive number of seconds, not {ttl_s!r}")
-        return self._decide(rid, ApprovalState.APPROVED, by, reason, ttl_s)
+        return self._decide(rid, ApprovalState.APPROVED, by, reason, ttl_s, via, round)
 
-    def deny(self, rid: str, *, by: str, reason: str = "") -> ApprovalRequest:
+    def deny(
+        self, rid: str, *, by: str, reason: str = "", via: str = "", round: int | None = None
+    ) -> ApprovalRequest:
         """Refuse a PENDING (or granted, unused) request: the call never runs."""
-        return self._decide(rid, ApprovalState.DENIED, by, reason, None)
+        return self._decide(rid, ApprovalState.DENIED, by, reason, None, via, round)
 
     def _decide(
-        self, rid: str, state: ApprovalState, by: str, reason: str, ttl_s: float | None
+        self,
+        rid: str,
+        state: ApprovalState,
+        by: str,
+        reason: str,
+        ttl_s: float | None,
+        via: str,
+        round: int | None,
     ) -> ApprovalRequest:
         if not isinstance(by, str) or not by.strip():
             raise ValueError("say who decides: by= must be a non-blank name")
@@ -183,6 +232,11 @@ class Approvals:
         def change(doc: dict[str, Any] | None, now: float) -> dict[str, Any]:
             if doc is None:
                 raise ApprovalNotFound(f"no approval request {rid!r} in {url_of(self.backend)}")
+            if round is not None and doc["round"] != round:
+                raise ApprovalMovedOn(
+                    f"approval request {rid} is in round {doc['round']} now, not {round} "
+                    f"({doc['state']}): look at it again before deciding"
+                )
             current = ApprovalState(doc["state"])
             allowed = (ApprovalState.PENDING,) + (
                 (ApprovalState.APPROVED,) if state is ApprovalState.DENIED else ()
@@ -193,16 +247,12 @@ class Approvals:
                     + (f" (by {doc['decided_by']})" if doc["decided_by"] else "")
                     + f"; only a PENDING request can be {state.value.lower()}"
                 )
-            doc = {**doc, "state": state.value, "decided_at": now, "decided_by": by}
-            doc["decision_reason"] = reason
-            doc["grant_expires_at"] = now + ttl_s if ttl_s is not None else None
             host = self.backend.host_clock
-            doc["grant_host"] = (
-                [host.boot, host.elapsed() + ttl_s, doc["grant_expires_at"]]
-                if host is not None and ttl_s is not None
-                else None
-            )
-            _event(doc, now, state.value.lower(), by, reason)
+            if ttl_s is not None:
+                return _approved(doc, now, host, by, reason, ttl_s, via)
+            doc = {**doc, "state": state.value, "decided_at": now, "decided_by": by}
+            doc.update(decision_reason=reason, grant_expires_at=None, grant_host=None)
+            _event(doc, now, state.value.lower(), by, reason, via)
             return doc
 
         decided = self._request(_gatestore.update(self.backend, key, change, _notes))
@@ -246,13 +296,19 @@ class Approvals:
         task: str | None = None,
         kickoff: str | None = None,
         spend: Mapping[str, Any] | None = None,
+        approvers: int = 1,
+        origin: Mapping[str, Any] | None = None,
     ) -> ApprovalRequest:
         """Let the holder of `claim` start its body, or raise.
 
         Called under the claim (so one caller per key at a time). Returns the grant it
         used; raises `ApprovalRequired` (a request was created, or is still waiting, or a
         grant expired or was spent and a new round begins) or `ApprovalDenied`.
+        `approvers`: how many distinct identities must approve; a stored request that
+        asked for fewer is raised to it (a grant short of it is not live any more).
         """
+        if isinstance(approvers, bool) or not isinstance(approvers, int) or approvers < 1:
+            raise ValueError(f"approvers must be a whole number, 1 or more, not {approvers!r}")
         rid = request_id(claim.key, fingerprint)
         created: list[bool] = [False]
         refusal: list[BaseException | None] = [None]
@@ -271,14 +327,25 @@ class Approvals:
                     "decision_reason": "", "grant_expires_at": None, "used_at": None,
                     "used_token": None, "used_record": None, "history": [],
                     "spend": dict(spend) if spend is not None else None,
+                    "approvers_needed": approvers, "approvals": [], "origin": dict(origin or {}),
                 }  # fmt: skip
                 _event(doc, now, "requested", tool, reason)
                 return doc
             state = ApprovalState(doc["state"])
+            stricter = approvers > doc.get("approvers_needed", 1)
+            if stricter:
+                doc = _stricter(doc, now, approvers, self.backend.host_clock)
+                if state is ApprovalState.APPROVED and doc["state"] == ApprovalState.PENDING:
+                    created[0] = True  # a new wait for people: as a new round is
+                state = ApprovalState(doc["state"])
             if state is ApprovalState.PENDING:
+                needed, given = doc.get("approvers_needed", 1), len(doc.get("approvals", ()))
+                waiting = f"{given} of {needed} approvers" if given else "still pending"
                 refusal[0] = ApprovalRequired(
-                    claim.key, rid, tool, f"{reason} (still pending)", ledger=self._ledger
+                    claim.key, rid, tool, f"{reason} ({waiting})", ledger=self._ledger
                 )
+                if stricter:
+                    return doc
                 raise _gatestore.Unchanged(doc)
             if state is ApprovalState.DENIED:
                 refusal[0] = ApprovalDenied(
@@ -296,6 +363,8 @@ class Approvals:
                 why_again = "the approval expired before the call ran"
             elif state is ApprovalState.USED and not same_run:
                 why_again = "the earlier approval was used by a run that finished"
+            elif state is ApprovalState.USED and stricter:
+                why_again = f"the tool now needs {approvers} approvers"
             if why_again is not None:
                 if expired:
                     doc = {**doc, "expired_round": doc["round"]}
@@ -362,10 +431,79 @@ def _grant_expired(doc: dict[str, Any], now: float, host: HostClock | None) -> b
     return bool(at <= now)
 
 
+def _lapsed(approval: Mapping[str, Any], now: float, host: HostClock | None) -> bool:
+    """Whether one approver's own deadline has passed (judged as a grant is)."""
+    stamp = approval.get("host")
+    if host is not None and isinstance(stamp, list) and len(stamp) == 2 and stamp[0] == host.boot:
+        return bool(stamp[1] <= host.elapsed())
+    return bool(approval["until"] <= now)
+
+
+def _approved(
+    doc: dict[str, Any],
+    now: float,
+    host: HostClock | None,
+    by: str,
+    reason: str,
+    ttl_s: float,
+    via: str,
+) -> dict[str, Any]:
+    """`doc` with `by`'s approval counted: APPROVED once enough distinct identities have
+    approved (the grant ends at the earliest of their deadlines), else still PENDING."""
+    needed = int(doc.get("approvers_needed", 1))
+    live = [a for a in doc.get("approvals", ()) if not _lapsed(a, now, host)]
+    if any(a["by"] == by for a in live):
+        raise ApprovalNeedsAnother(
+            f"{by} has already approved {doc['id']} (round {doc['round']}); it needs "
+            f"{needed} distinct approvers, {len(live)} so far"
+        )
+    entry: dict[str, Any] = {"by": by, "at": now, "until": now + ttl_s, "reason": reason}
+    entry.update(via=via, host=[host.boot, host.elapsed() + ttl_s] if host is not None else None)
+    live.append(entry)
+    doc = {**doc, "approvals": live}
+    if len(live) < needed:
+        _event(doc, now, "approved", by, f"{len(live)} of {needed} approvers; {reason}", via)
+        return doc
+    first = min(live, key=lambda a: a["until"])
+    until = first["until"]
+    doc.update(state=ApprovalState.APPROVED.value, decided_at=now, grant_expires_at=until)
+    doc["decided_by"] = ", ".join(a["by"] for a in live)
+    doc["decision_reason"] = (
+        reason
+        if needed == 1
+        else "; ".join(f"{a['by']}: {a['reason']}" for a in live if a["reason"])
+    )
+    if host is None:
+        doc["grant_host"] = None
+    else:
+        left = min(
+            a["host"][1] - host.elapsed() if a["host"] and a["host"][0] == host.boot
+            else a["until"] - now
+            for a in live
+        )  # fmt: skip
+        doc["grant_host"] = [host.boot, host.elapsed() + left, until]
+    _event(doc, now, "approved", by, reason, via)
+    return doc
+
+
+def _stricter(
+    doc: dict[str, Any], now: float, needed: int, host: HostClock | None
+) -> dict[str, Any]:
+    """The request now needs `needed` approvers: a grant that had fewer is not live."""
+    doc = {**doc, "approvers_needed": needed}
+    live = [a for a in doc.get("approvals", ()) if not _lapsed(a, now, host)]
+    if doc["state"] == ApprovalState.APPROVED.value and len(live) < needed:
+        doc.update(state=ApprovalState.PENDING.value, approvals=live, decided_at=None)
+        doc.update(decided_by=None, decision_reason="", grant_expires_at=None, grant_host=None)
+        _event(doc, now, "reopened", "guard", f"the tool now needs {needed} approvers")
+    return doc
+
+
 def _new_round(doc: dict[str, Any], now: float, why: str) -> dict[str, Any]:
     doc = {**doc, "state": ApprovalState.PENDING.value, "round": doc["round"] + 1}
     doc.update(decided_at=None, decided_by=None, decision_reason="", grant_expires_at=None)
     doc["grant_host"] = None
+    doc["approvals"] = []
     doc.update(used_at=None, used_token=None, used_record=None)
     _event(doc, now, "reopened", "guard", why)
     return doc

@@ -58,6 +58,8 @@ def update(
     key: str,
     change: Callable[[dict[str, Any] | None, float], dict[str, Any]],
     notes: Notes | None = None,
+    *,
+    expires_at: float | None = None,
 ) -> dict[str, Any]:
     """Apply `change(current_doc_or_None, store_now)` atomically and return the new doc.
 
@@ -68,6 +70,8 @@ def update(
     `notes(old_doc, new_doc)` says what the change means for a person: its entries are
     put in the outbox before the document is written, and the document carries their
     marks, so they are delivered if and only if this write lands (`notifications._outbox`).
+    `expires_at`: when `purge` may delete the document (a console session); by default
+    never.
     """
     lost = 0
     while True:
@@ -88,10 +92,13 @@ def update(
             record = Record(
                 key=key, status=Status.COMMITTED, fingerprint=_FINGERPRINT, token=1, revision=1,
                 owner=None, attempts=0, created_at=now, updated_at=now, result=payload,
+                expires_at=expires_at,
             )  # fmt: skip
             if backend.insert(record) is None:
                 return new_doc
-        elif backend.replace(current, current.evolve(None, result=payload, updated_at=now)):
+        elif backend.replace(
+            current, current.evolve(None, result=payload, updated_at=now, expires_at=expires_at)
+        ):
             return new_doc
         lost += 1
         # Many writers on one document: a short random pause spreads the retries out.

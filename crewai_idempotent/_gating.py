@@ -51,6 +51,13 @@ class Plan:
     approval_reason: str = "the tool requires approval"
     summary: Mapping[str, Any] = field(default_factory=dict)
     approval_wait_s: float = 0.0
+    approvers: int = 1  # distinct approvers before a grant is live (the two-person rule)
+    origin: Mapping[str, Any] = field(default_factory=dict)  # crew, task, agent by name
+
+    def __post_init__(self) -> None:
+        count = self.approvers
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"approvers must be a whole number, 1 or more, not {count!r}")
 
     @property
     def gated(self) -> bool:
@@ -119,7 +126,8 @@ def _check_and_authorize(backend: CacheBackend, plan: Plan, claim: Record) -> li
         Approvals(backend).authorize(
             claim, plan.fingerprint, tool=plan.tool, reason=plan.approval_reason,
             summary=plan.summary, crew=plan.where.crew, task=plan.where.task,
-            kickoff=plan.where.kickoff, spend=spend,
+            kickoff=plan.where.kickoff, spend=spend, approvers=plan.approvers,
+            origin=plan.origin,
         )  # fmt: skip
     return found
 

@@ -36,6 +36,7 @@ from crewai_idempotent._errors import (
     SpendCapExceeded,
 )
 from crewai_idempotent._gating import Plan
+from crewai_idempotent._record import _whoami
 from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where
 from crewai_idempotent.notifications import Outbox
 from tests.approver import approve_first_pending
@@ -401,10 +402,15 @@ def test_cli_decides_and_reports_errors_clearly(tmp_path: Path) -> None:
     assert listed.exit_code == 0 and [r["id"] for r in json.loads(listed.output)] == [rid]
     missing_reason = invoke("approvals", "deny", rid)
     assert missing_reason.exit_code == 2 and "--reason" in missing_reason.output
-    denied = invoke("approvals", "deny", rid, "--reason", "not ours", "--by", "cfo")
-    assert denied.exit_code == 0 and "DENIED by cfo" in denied.output
+    typed = invoke("approvals", "deny", rid, "--reason", "not ours", "--by", "cfo")
+    assert typed.exit_code == 2 and "not a typed name" in typed.output
+    assert Approvals(backend).get(rid).state is ApprovalState.PENDING
+    me = _whoami()
+    denied = invoke("approvals", "deny", rid, "--reason", "not ours")
+    assert denied.exit_code == 0 and f"DENIED by {me}" in denied.output
+    assert Approvals(backend).get(rid).history[-1]["via"] == "cli"
     again = invoke("approvals", "approve", rid)
-    assert again.exit_code == 1 and "is DENIED (by cfo)" in again.output
+    assert again.exit_code == 1 and f"is DENIED (by {me})" in again.output
     unknown = invoke("approvals", "show", "ap_" + "f" * 20)
     assert unknown.exit_code == 1 and "no approval request" in unknown.output
     malformed = invoke("approvals", "approve", "42")

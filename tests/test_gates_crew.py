@@ -26,6 +26,7 @@ from crewai_idempotent import (
     backend_from_url,
     idempotent,
 )
+from crewai_idempotent._record import _whoami
 from crewai_idempotent.cli import main as cli
 from crewai_idempotent.integration.approval_events import (
     ApprovalDecidedEvent,
@@ -106,8 +107,8 @@ def test_three_invoices_one_large_then_approve_and_a_fourth_over_the_cap(
 
     listed = _cli(url, "approvals", "ls")
     assert rid in listed and "INV-3" in listed
-    assert "APPROVED" in _cli(url, "approvals", "approve", rid, "--by", "cfo", "--reason", "ok")
-    assert "cfo" in _cli(url, "approvals", "show", rid)
+    assert "APPROVED" in _cli(url, "approvals", "approve", rid, "--reason", "ok")
+    assert _whoami() in _cli(url, "approvals", "show", rid)
 
     second = scripted(
         native,
@@ -252,6 +253,85 @@ def test_bad_gate_options_are_refused_where_given() -> None:
 
     with pytest.raises(TypeError, match="caps must hold SpendCap"):
         IdempotencyConfig(caps=[100])
+
+
+def test_two_approvers_above_an_amount_and_the_request_names_who_asked(
+    charges: FakeProvider, tmp_path: Path
+) -> None:
+    url = _url(tmp_path)
+    pay = _pay_tool(charges, approvers=lambda args, ctx: 2 if args["amount_cents"] > 70_000 else 1)
+    crew, _ = payment_crew(
+        [pay], scripted(True, [("pay_invoice", FOURTH)], [("pay_invoice", LARGE)]),
+        cache_backend=url, name="Payables",
+    )  # fmt: skip
+    with pytest.raises(ApprovalRequired):
+        crew.kickoff()
+    approvals = Approvals(backend_from_url(url))
+    (fourth,) = approvals.list("pending")
+    assert fourth.approvers_needed == 1  # 60 000: under the amount, one approver
+    assert fourth.origin == {
+        "crew": "Payables", "task": "Charge 5 to alice for invoice inv-1.", "agent": "Cashier",
+    }  # fmt: skip
+    approvals.approve(fourth.id, by="alice")
+    crew, _ = payment_crew(
+        [pay], scripted(True, [("pay_invoice", FOURTH)], [("pay_invoice", LARGE)]),
+        cache_backend=url,
+    )  # fmt: skip
+    with pytest.raises(ApprovalRequired):
+        crew.kickoff()
+    large = next(r for r in approvals.list("pending") if r.summary == LARGE)
+    assert large.approvers_needed == 2  # 80 000: two people
+    approvals.approve(large.id, by="alice")
+
+    def again() -> None:
+        llm = scripted(True, [("pay_invoice", FOURTH)], [("pay_invoice", LARGE)])
+        crew, _ = payment_crew([pay], llm, cache_backend=url)
+        crew.kickoff()
+
+    with pytest.raises(ApprovalRequired, match="1 of 2 approvers"):
+        again()
+    assert _paid(charges) == ["INV-4"]
+    approvals.approve(large.id, by="bob")
+    again()
+    again()
+    assert _paid(charges) == ["INV-4", "INV-3"]
+
+
+def test_crew_settings_set_approvers_by_tool_name(charges: FakeProvider, tmp_path: Path) -> None:
+    url = _url(tmp_path)
+
+    @tool("pay_invoice", idempotent=True)
+    def pay_invoice(invoice: str, amount_cents: int) -> str:
+        """Pay `amount_cents` (euro cents) for `invoice`. Returns the payment id."""
+        return charges.charge(amount_cents, "supplier", invoice=invoice)
+
+    config = IdempotencyConfig(
+        backend=url, approval={"pay_invoice": True}, approvers={"pay_invoice": 3}
+    )
+    crew, _ = payment_crew(
+        [pay_invoice], scripted(True, [("pay_invoice", SMALL_1)]), idempotency=config
+    )
+    with pytest.raises(ApprovalRequired):
+        crew.kickoff()
+    (request,) = Approvals(backend_from_url(url)).list("pending")
+    assert request.approvers_needed == 3
+    assert _paid(charges) == []
+
+
+def test_bad_approvers_options_are_refused_where_given(
+    charges: FakeProvider, tmp_path: Path
+) -> None:
+    for bad in (0, True, "two", 1.5):
+        with pytest.raises(TypeError, match="approvers must be a whole number"):
+            _pay_tool(charges, approvers=bad)
+    with pytest.raises(TypeError, match=r"approvers\['pay_invoice'\]"):
+        IdempotencyConfig(approvers={"pay_invoice": 0})
+    pay = _pay_tool(charges, approvers=lambda args, ctx: 0)
+    crew, _ = payment_crew(
+        [pay], scripted(True, [("pay_invoice", LARGE)]), cache_backend=_url(tmp_path)
+    )
+    crew.kickoff()  # the rule's answer refuses the call: a tool error, nothing ran
+    assert _paid(charges) == []
 
 
 def test_the_approvals_demo_says_it_all_and_leaves_nothing_behind() -> None:

@@ -18,8 +18,8 @@ characters in keys, errors and receipts are shown escaped, and ledger passwords 
 
 The commands live beside this module: `_ledger` (ls, show, resolve, purge, export),
 `_gates` (approvals, spend), `_doctor`, `_demos`, `_reconcile` (the sweeper), `_notify`
-(notify, notifications); they print through `_output` and find the ledger through `_where`,
-never through this module.
+(notify, notifications), `_console` (the web console); they print through `_output` and
+find the ledger through `_where`, never through this module.
 
 Exit status: 0 done; 1 refused, not found, or the ledger is unavailable; 2 bad usage
 (including a malformed ledger URL or --result that is not JSON).
@@ -31,6 +31,7 @@ import click
 from click.core import ParameterSource
 
 from ..integration import URL_ENV
+from ._console import console
 from ._demos import demo, demo_approvals
 from ._doctor import doctor
 from ._gates import approvals, spend
@@ -84,5 +85,6 @@ for _command in (
     reconcile,
     notify,
     notifications,
+    console,
 ):
     main.add_command(_command)

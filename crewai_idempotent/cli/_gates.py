@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from .. import ApprovalRequest, Approvals, SpendLedger
-from .._approvals import ApprovalAlreadyDecided, ApprovalNotFound
+from .._approvals import ApprovalAlreadyDecided, ApprovalNotFound, ApprovalState
 from .._record import _whoami
 from .._spend import exponent, format_money
 from ._output import duration, ledger_errors, safe, stamp
@@ -86,13 +86,19 @@ def show_approval(where: Where, request_id: str, as_json: bool) -> None:
     for name in ("id", "state", "tool", "key", "fingerprint", "reason", "round", "kickoff",
                  "crew", "task", "decided_by", "decision_reason"):  # fmt: skip
         click.echo(safe(f"{name:>16}: {doc[name]}"))
+    for name, value in doc["origin"].items():
+        click.echo(safe(f"{'asked by ' + name:>16}: {value}"))
+    given = ", ".join(a["by"] for a in doc["approvals"]) or "-"
+    click.echo(safe(f"{'approvers':>16}: {len(doc['approvals'])} of {doc['approvers_needed']}"
+                    f" ({given})"))  # fmt: skip
     for name in ("created_at", "decided_at", "grant_expires_at", "used_at"):
         click.echo(f"{name:>16}: {_stamp(doc[name])}")
     click.echo(safe(f"{'summary':>16}: {json.dumps(doc['summary'], sort_keys=True, default=str)}"))
     click.echo(f"{'history':>16}:")
     for event in doc["history"]:
         note = f" ({event['note']})" if event["note"] else ""
-        click.echo(safe(f"  {_stamp(event['at'])}  {event['what']} by {event['by']}{note}"))
+        via = f" via {event['via']}" if event.get("via") else ""
+        click.echo(safe(f"  {_stamp(event['at'])}  {event['what']} by {event['by']}{via}{note}"))
 
 
 def _duration(value: str) -> float:
@@ -102,43 +108,67 @@ def _duration(value: str) -> float:
     return seconds
 
 
+def _no_typed_name(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        raise click.BadParameter(
+            f"a decision records who made it ({_whoami()}, the user running this command), "
+            "not a typed name; say on whose behalf in --reason",
+            param_hint="--by",
+        )
+
+
+# Hidden and refused: a decision used to take any name here, which let one person count
+# as two approvers; scripts that still pass it are told why instead of "no such option".
+_BY = click.option("--by", hidden=True, expose_value=False, callback=_no_typed_name)
+
+
 @approvals.command("approve")
 @click.argument("request_id")
 @click.option("--reason", default="", help="Why (kept with the decision).")
-@click.option("--by", metavar="NAME", help="Who approves (default: user@host).")
 @click.option(
     "--ttl", default="24h", show_default=True, help="The grant must be used within (30m, 2d...)."
 )
+@_BY
 @click.pass_obj
-def approve(where: Where, request_id: str, reason: str, by: str | None, ttl: str) -> None:
-    """Approve a pending request: the next run of that exact call goes ahead, once."""
-    _decide(where, request_id, True, reason, by, _duration(ttl))
+def approve(where: Where, request_id: str, reason: str, ttl: str) -> None:
+    """Approve a pending request: the next run of that exact call goes ahead, once.
+
+    The decision is recorded as yours (user@host). A request that needs several distinct
+    approvers stays pending until enough of them have approved."""
+    _decide(where, request_id, True, reason, _duration(ttl))
 
 
 @approvals.command("deny")
 @click.argument("request_id")
 @click.option("--reason", required=True, help="Why (the agent is told).")
-@click.option("--by", metavar="NAME", help="Who denies (default: user@host).")
+@_BY
 @click.pass_obj
-def deny(where: Where, request_id: str, reason: str, by: str | None) -> None:
+def deny(where: Where, request_id: str, reason: str) -> None:
     """Deny a request: the call fails with ApprovalDenied and never runs."""
-    _decide(where, request_id, False, reason, by, None)
+    _decide(where, request_id, False, reason, None)
 
 
-def _decide(
-    where: Where, rid: str, grant: bool, reason: str, by: str | None, ttl: float | None
-) -> None:
-    who = by or _whoami()
+def _decide(where: Where, rid: str, grant: bool, reason: str, ttl: float | None) -> None:
+    who = _whoami()
     try:
         with ledger_errors(where.scrub):
             store = _approvals(where)
             if grant:
                 assert ttl is not None
-                decided = store.approve(rid, by=who, reason=reason, ttl_s=ttl)
+                decided = store.approve(rid, by=who, reason=reason, ttl_s=ttl, via="cli")
             else:
-                decided = store.deny(rid, by=who, reason=reason)
+                decided = store.deny(rid, by=who, reason=reason, via="cli")
     except (ApprovalNotFound, ApprovalAlreadyDecided, ValueError) as exc:
         raise _fail(where, exc) from None
+    if grant and decided.state is ApprovalState.PENDING:
+        click.echo(
+            safe(
+                f"{decided.id} approved by {who}: {len(decided.approvals)} of "
+                f"{decided.approvers_needed} distinct approvers; it stays PENDING until "
+                f"another approves (key {decided.key!r})"
+            )
+        )
+        return
     until = f" until {_stamp(decided.grant_expires_at)}" if grant else ""
     click.echo(safe(f"{decided.id} {decided.state.value} by {who}{until} (key {decided.key!r})"))
 
@@ -192,5 +222,6 @@ def _doc(request: ApprovalRequest) -> dict[str, Any]:
         "decision_reason": request.decision_reason, "created_at": request.created_at,
         "decided_at": request.decided_at, "grant_expires_at": request.grant_expires_at,
         "used_at": request.used_at, "summary": request.summary,
-        "history": list(request.history),
+        "history": list(request.history), "approvers_needed": request.approvers_needed,
+        "approvals": list(request.approvals), "origin": request.origin,
     }  # fmt: skip

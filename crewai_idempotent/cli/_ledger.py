@@ -403,7 +403,7 @@ def purge(where: Where, everything: bool, yes: bool) -> None:
 def _purgeable(records: list[Record]) -> dict[str, int]:
     """What `purge --all` would delete, by kind: receipts and failures, approval
     requests, spend-cap windows."""
-    counts = {"receipts": 0, "approvals": 0, "spend": 0, "notifications": 0}
+    counts = {"receipts": 0, "approvals": 0, "spend": 0, "notifications": 0, "console": 0}
     for record in records:
         if record.status not in (Status.COMMITTED, Status.FAILED):
             continue
@@ -415,6 +415,8 @@ def _purgeable(records: list[Record]) -> dict[str, int]:
             counts["approvals"] += 1
         elif record.key.startswith(PREFIX + SPEND):
             counts["spend"] += 1
+        elif record.key.startswith(PREFIX + "console/"):
+            counts["console"] += 1
     return counts
 
 
@@ -425,6 +427,12 @@ def _purge_warning(where: Where, counts: dict[str, int]) -> str:
         f"again); {counts['approvals']} approval request(s) with their decisions (approved "
         f"calls ask again); {counts['spend']} spend-cap budget(s), with the spend counted so "
         f"far (the caps start again from zero); and {counts['notifications']} notification(s) "
-        "of the outbox, with their deliveries (those not yet delivered never will be). "
-        "Continue?"
+        "of the outbox, with their deliveries (those not yet delivered never will be)"
+        + (
+            "; the web console's accounts and sessions too (nobody can log in to it until "
+            "accounts are added again)"
+            if counts["console"]
+            else ""
+        )
+        + ". Continue?"
     )

@@ -90,6 +90,16 @@ def _check_approval(where: str, value: Any) -> None:
         )
 
 
+def _check_approvers(where: str, value: Any) -> None:
+    if value is None or callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TypeError(
+            f"{where}: approvers must be a whole number of distinct approvers (1 or more) or "
+            f"a callable (args, ctx) -> int, not {value!r}"
+        )
+
+
 def _check_spend(where: str, value: Any) -> None:
     if value is not None and not callable(value):
         raise TypeError(
@@ -128,6 +138,7 @@ def _check_approval_handling(where: str, on_approval: Any, wait_s: Any) -> None:
 def _check_tool_gates(options: ToolOptions) -> None:
     where = "tool options"
     _check_approval(where, options.approval)
+    _check_approvers(where, options.approvers)
     _check_spend(where, options.spend)
     caps = _check_caps(where, options.caps)
     if caps is not None:
@@ -142,7 +153,8 @@ def _check_tool_gates(options: ToolOptions) -> None:
 
 def _check_crew_gates(config: IdempotencyConfig) -> None:
     where = "IdempotencyConfig"
-    for field in ("approval", "spend"):
+    checks = {"approval": _check_approval, "spend": _check_spend, "approvers": _check_approvers}
+    for field, check in checks.items():
         value = getattr(config, field)
         if value is None:
             continue
@@ -151,9 +163,7 @@ def _check_crew_gates(config: IdempotencyConfig) -> None:
         for name, option in value.items():
             if not isinstance(name, str):
                 raise TypeError(f"{where}: {field} keys are tool names, not {name!r}")
-            (_check_approval if field == "approval" else _check_spend)(
-                f"{where}.{field}[{name!r}]", option
-            )
+            check(f"{where}.{field}[{name!r}]", option)
     caps = _check_caps(where, config.caps)
     if caps is not None:
         object.__setattr__(config, "caps", caps)
@@ -199,6 +209,7 @@ class IdempotencyConfig:
     approval_wait_s: float | None = None
     check_reachable: bool | None = None
     notify: Any = None
+    approvers: Mapping[str, int | Callable[[dict[str, Any], Any], int]] | None = None
 
     def __post_init__(self) -> None:
         _check_crew_gates(self)
@@ -250,6 +261,7 @@ class ToolOptions:
     on_approval: Literal["raise", "report"] | None = None
     approval_wait_s: float | None = None
     redact: Any = None
+    approvers: int | Callable[[dict[str, Any], Any], int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.idempotent, bool):

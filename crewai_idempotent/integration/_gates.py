@@ -10,7 +10,9 @@ Options (on `@tool(...)`, `BaseTool` fields, `idempotent(tool, ...)`; a crew or
 - `on_approval`: "raise" (default) stops the kickoff with `ApprovalRequired`; "report"
   hands it to the agent as a tool error;
 - `approval_wait_s`: wait that long for a decision (polling the ledger) before stopping;
-- `redact`: argument names whose values the stored request hides.
+- `redact`: argument names whose values the stored request hides;
+- `approvers`: how many distinct people must approve before the grant is live (the
+  two-person rule), or a callable `(args, ctx) -> int` (more above an amount).
 
 The options are checked where they are given (`_config`); `gate_rules` merges them once
 per tool, crew and `configure()`, and `GateRules.plan` decides at each call which gates
@@ -84,12 +86,19 @@ class GateRules:
     on_approval: str
     approval_wait_s: float
     redact: tuple[str, ...]
+    approvers: int | Callable[[dict[str, Any], Any], int] | None = None
 
     def plan(
-        self, key: str, fingerprint: str, arguments: dict[str, Any], ctx: GateContext
+        self,
+        key: str,
+        fingerprint: str,
+        arguments: dict[str, Any],
+        ctx: GateContext,
+        origin: dict[str, Any] | None = None,
     ) -> Gates | None:
         """The gates of one call, or None when none applies. A rule that cannot be
-        evaluated refuses the call (TypeError): nothing was run."""
+        evaluated refuses the call (TypeError): nothing was run. `origin`: the crew, task
+        and agent that asked, by name, kept with an approval request."""
         tool_name = self.tool
         approval = self.approval
         needs_approval = False
@@ -131,6 +140,7 @@ class GateRules:
                                        amount.currency, 0, 0, 0)  # fmt: skip
         if not needs_approval and (amount is None or not caps):
             return None
+        approvers = self._approvers(arguments, ctx) if needs_approval else 1
         gated = _gating.Plan(
             tool=tool_name,
             fingerprint=fingerprint,
@@ -141,8 +151,30 @@ class GateRules:
             approval_reason=reason,
             summary=_approvals.summarize(arguments, self.redact),
             approval_wait_s=self.approval_wait_s,
+            approvers=approvers,
+            origin=origin or {},
         )
         return Gates(gated, self.on_approval)
+
+    def _approvers(self, arguments: dict[str, Any], ctx: GateContext) -> int:
+        rule = self.approvers
+        if rule is None:
+            return 1
+        if not callable(rule):
+            return rule
+        try:
+            count = rule(dict(arguments), ctx)
+        except Exception as exc:
+            raise TypeError(
+                f"tool {self.tool!r}: the approvers rule raised {type(exc).__name__}: {exc}; "
+                "nothing was run"
+            ) from exc
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise TypeError(
+                f"tool {self.tool!r}: the approvers rule returned {count!r}, not a whole "
+                "number of approvers (1 or more); nothing was run"
+            )
+        return count
 
 
 def gate_rules(
@@ -170,6 +202,9 @@ def gate_rules(
         if config.caps:
             break  # the nearest level that sets caps
     wait_s = _pick("approval_wait_s", options, levels)
+    approvers = options.approvers
+    if approvers is None:
+        approvers = _by_tool("approvers", tool_name, levels)
     return GateRules(
         tool=tool_name,
         approval=approval,
@@ -178,6 +213,7 @@ def gate_rules(
         on_approval=_pick("on_approval", options, levels) or "raise",
         approval_wait_s=float(wait_s or 0.0),
         redact=tuple(options.redact or ()),
+        approvers=approvers,
     )
 
 

@@ -167,6 +167,21 @@ def _where(scope: Scope | None, crew: Any) -> tuple[str | None, str | None, str 
     return crew_key, task, _compat.execution_uuid()
 
 
+def _origin(scope: Scope | None, crew: Any) -> dict[str, Any]:
+    """The crew, task and agent of a gated call as people name them, for its request."""
+    task = scope.task if scope is not None else None
+    agent = scope.agent if scope is not None else None
+
+    def text(value: Any) -> str | None:
+        return value if isinstance(value, str) and value else None
+
+    return {
+        "crew": text(getattr(crew, "name", None)),
+        "task": text(getattr(task, "name", None)) or text(getattr(task, "description", None)),
+        "agent": text(getattr(agent, "role", None)),
+    }
+
+
 def _prepare(
     target: Target, options: ToolOptions, tool: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Guarded | None:
@@ -210,7 +225,7 @@ def _prepare(
     if rules is not None:
         crew_key, task, kickoff = call.where()
         gate_ctx = _gates.GateContext(name, key, crew_key, task, kickoff)
-        call.gates = rules.plan(key, digest, arguments, gate_ctx)
+        call.gates = rules.plan(key, digest, arguments, gate_ctx, _origin(scope, crew))
         if call.gates is not None:
             approval_events.listen()
     if target.takes_key:

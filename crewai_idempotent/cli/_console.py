@@ -1,0 +1,347 @@
+"""`crewai-idempotent console`: serve the web console, and manage its accounts.
+
+    crewai-idempotent console --ledger URL [--host 127.0.0.1] [--port 8765] ...
+    crewai-idempotent console users add NAME --role approver [--slack-user U...]
+    crewai-idempotent console users ls | set | passwd | logout | rm
+
+The console's code (and its optional dependencies) is imported only when one of these
+runs; without the `console` extra they say what to install.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._output import duration, ledger_errors, safe
+from ._where import Where
+
+SLACK_SECRET_ENV = "CREWAI_IDEMPOTENT_SLACK_SIGNING_SECRET"
+_EXTRA = "pip install 'crewai-idempotent[console]'"
+
+
+def _need_extra(exc: ImportError) -> click.ClickException:
+    return click.ClickException(f"the console needs its extra ({exc.name} is missing): {_EXTRA}")
+
+
+def _seconds(value: str, option: str) -> float:
+    try:
+        seconds = duration(value)
+    except click.BadParameter as exc:
+        raise click.BadParameter(exc.message, param_hint=option) from None
+    if seconds is None or seconds <= 0:
+        raise click.BadParameter(f"{value!r} is not a positive duration", param_hint=option)
+    return seconds
+
+
+def _secret(path: str | None) -> str | None:
+    """Slack's signing secret: from a file (never the command line, which `ps` shows), else
+    the environment."""
+    if path is not None:
+        try:
+            secret = Path(path).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise click.BadParameter(
+                f"cannot read {path}: {exc.strerror}", param_hint="--slack-signing-secret-file"
+            ) from None
+        return secret
+    value = os.environ.get(SLACK_SECRET_ENV, "").strip()
+    return value or None
+
+
+def _backend(where: Where) -> Any:
+    """The ledger's store; a ledger that does not exist yet is reported with what to do."""
+    try:
+        with ledger_errors(where.scrub):
+            return where.ledger().backend
+    except click.ClickException as exc:
+        if not exc.message.startswith("no ledger at"):
+            raise
+        raise click.ClickException(
+            f"{exc.message}. The console works on the ledger your crews write: point --ledger "
+            "at it, or make one to try it with `crewai-idempotent demo-approvals --ledger-path "
+            "ledger.db` and then --ledger sqlite:///ledger.db"
+        ) from None
+
+
+def _where(ctx: click.Context, url: str | None) -> Where:
+    """The console's own --ledger, else the one given before `console`."""
+    if url is None:
+        given = ctx.find_object(Where)
+        return given if given is not None else Where(None)
+    where = Where(url, "--ledger")
+    ctx.call_on_close(where.close)
+    return where
+
+
+@click.group("console", invoke_without_command=True)
+@click.option("--ledger", "url", metavar="URL", help="The ledger (as crewai-idempotent --ledger).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--public-url",
+    metavar="URL",
+    help="The origin browsers use when it is not the listening address "
+    "(https://approvals.example.com behind a reverse proxy).",
+)
+@click.option(
+    "--trusted-proxy",
+    "proxies",
+    multiple=True,
+    metavar="ADDRESS",
+    help="A reverse or auth proxy in front (address or network): its X-Forwarded-For, "
+    "X-Forwarded-Proto and identity header are believed. Repeatable.",
+)
+@click.option(
+    "--auth",
+    type=click.Choice(["accounts", "proxy"]),
+    default="accounts",
+    show_default=True,
+    help="accounts: log in with a console account; proxy: the identity comes from the "
+    "trusted auth proxy's header.",
+)
+@click.option(
+    "--proxy-header",
+    default="X-Forwarded-Email",
+    show_default=True,
+    help="With --auth proxy: the header holding the user's identity.",
+)
+@click.option("--allowed-host", "hosts", multiple=True, metavar="NAME",
+              help="A Host name the console answers to besides loopback. Repeatable.")  # fmt: skip
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="Serve TLS.")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False))
+@click.option("--session-ttl", default="12h", show_default=True, help="A login lasts at most.")
+@click.option("--idle-timeout", default="1h", show_default=True,
+              help="A session ends after this long without a request.")  # fmt: skip
+@click.option("--refresh", default="2s", show_default=True,
+              help="How often open pages are updated from the ledger.")  # fmt: skip
+@click.option(
+    "--slack-signing-secret-file",
+    type=click.Path(dir_okay=False),
+    help=f"Enables Slack's buttons at /slack/interactive (or ${SLACK_SECRET_ENV}).",
+)
+@click.option("--slack-team", metavar="TEAM_ID", help="Only this Slack workspace's posts.")
+@click.option("--slack-grant-ttl", default="24h", show_default=True,
+              help="How long a grant given in Slack lasts.")  # fmt: skip
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))  # fmt: skip
+@click.pass_context
+def console(ctx: click.Context, url: str | None, **options: Any) -> None:
+    """The web console: pending approvals with the whole call, uncertain records, records
+    and spend, for authenticated approvers. See docs/console.md.
+
+    It listens on 127.0.0.1:8765 by default. Accounts: `console users add NAME --role
+    viewer|approver|operator`."""
+    where = _where(ctx, url)
+    ctx.obj = where
+    if ctx.invoked_subcommand is not None:
+        return
+    _serve(where, **options)
+
+
+def _serve(where: Where, **o: Any) -> None:
+    try:
+        from ..console._serve import ListenError, serve
+        from ..console._settings import ConsoleSettings
+    except ImportError as exc:
+        raise _need_extra(exc) from None
+    if (o["tls_cert"] is None) != (o["tls_key"] is None):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    try:
+        settings = ConsoleSettings(
+            auth=o["auth"], proxy_header=o["proxy_header"], trusted_proxies=o["proxies"],
+            public_url=o["public_url"], allowed_hosts=o["hosts"],
+            session_ttl_s=_seconds(o["session_ttl"], "--session-ttl"),
+            idle_s=_seconds(o["idle_timeout"], "--idle-timeout"),
+            refresh_s=_seconds(o["refresh"], "--refresh"),
+            slack_signing_secret=_secret(o["slack_signing_secret_file"]),
+            slack_team=o["slack_team"],
+            slack_grant_ttl_s=_seconds(o["slack_grant_ttl"], "--slack-grant-ttl"),
+            tls=o["tls_cert"] is not None,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    backend = _backend(where)
+    with ledger_errors(where.scrub):
+        _check_accounts(backend, settings.auth)
+    try:
+        serve(
+            backend, settings, host=o["host"], port=o["port"], tls_cert=o["tls_cert"],
+            tls_key=o["tls_key"], log_level=o["log_level"],
+            say=lambda line: click.echo(safe(line), err=line.startswith("WARNING")),
+        )  # fmt: skip
+    except ListenError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _check_accounts(backend: Any, auth: str) -> None:
+    from ..console._accounts import Accounts
+
+    accounts = Accounts(backend).all()
+    usable = [a for a in accounts if not a.disabled and (auth == "proxy" or a.password_hash)]
+    if not usable:
+        hint = " --no-password" if auth == "proxy" else ""
+        click.echo(
+            "note: no account can log in yet; add one with `crewai-idempotent console users "
+            f"add NAME --role approver{hint}`",
+            err=True,
+        )
+
+
+# -- accounts -----------------------------------------------------------------------------
+
+
+def _accounts(where: Where) -> Any:
+    try:
+        from ..console._accounts import Accounts
+    except ImportError as exc:  # pragma: no cover - the module itself has no hard import
+        raise _need_extra(exc) from None
+    return Accounts(_backend(where))
+
+
+def _account_errors() -> Any:
+    from ..console._accounts import AccountError
+
+    return AccountError
+
+
+def _password(name: str, from_stdin: bool) -> str:
+    if from_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+        if not password:
+            raise click.UsageError("--password-stdin read an empty line")
+        return password
+    value: str = click.prompt(
+        f"password for {name}", hide_input=True, confirmation_prompt=True, err=True
+    )
+    return value
+
+
+@console.group("users")
+def users() -> None:
+    """The console's accounts (kept in the ledger). Roles: viewer (looks), approver
+    (approves and denies), operator (also resolves uncertain records and purges)."""
+
+
+@users.command("ls")
+@click.pass_obj
+def list_users(where: Where) -> None:
+    """Every account: name, role, Slack user, whether it has a password."""
+    with ledger_errors(where.scrub):
+        found = _accounts(where).all()
+    if not found:
+        click.echo(f"no console accounts in {where.label}")
+        return
+    for a in found:
+        login = "password" if a.password_hash else "auth proxy only"
+        state = "  DISABLED" if a.disabled else ""
+        slack = f"  slack {a.slack_user}" if a.slack_user else ""
+        click.echo(safe(f"{a.name}  {a.role.value}  {login}{slack}{state}"))
+
+
+@users.command("add")
+@click.argument("name")
+@click.option("--role", required=True, type=click.Choice(["viewer", "approver", "operator"]))
+@click.option("--slack-user", metavar="ID", help="Link a Slack member id (U012AB3CDE).")
+@click.option("--no-password", is_flag=True, help="For --auth proxy: no password login.")
+@click.option("--password-stdin", is_flag=True, help="Read the password from standard input.")
+@click.pass_obj
+def add_user(
+    where: Where, name: str, role: str, slack_user: str | None, no_password: bool,
+    password_stdin: bool,
+) -> None:  # fmt: skip
+    """Add an account; asks for its password (twice) unless --no-password."""
+    error = _account_errors()
+    if no_password and password_stdin:
+        raise click.UsageError("--no-password and --password-stdin contradict each other")
+    try:
+        with ledger_errors(where.scrub):
+            store = _accounts(where)
+            if store.get(name) is not None:
+                raise error(f"there is already an account {name!r}")
+            password = None if no_password else _password(name, password_stdin)
+            account = store.add(name, role, password, slack_user)
+    except error as exc:
+        raise click.ClickException(safe(str(exc))) from None
+    login = "a password" if account.password_hash else "no password (auth proxy only)"
+    click.echo(safe(f"added {account.name} ({account.role.value}, {login}) to {where.label}"))
+
+
+@users.command("set")
+@click.argument("name")
+@click.option("--role", type=click.Choice(["viewer", "approver", "operator"]))
+@click.option("--slack-user", metavar="ID", help="Link a Slack member id.")
+@click.option("--no-slack-user", is_flag=True, help="Unlink the Slack user.")
+@click.option("--disable/--enable", "disabled", default=None, help="Disabled: no login at all.")
+@click.pass_obj
+def set_user(
+    where: Where, name: str, role: str | None, slack_user: str | None, no_slack_user: bool,
+    disabled: bool | None,
+) -> None:  # fmt: skip
+    """Change an account's role, Slack user, or whether it may log in."""
+    error = _account_errors()
+    if slack_user is not None and no_slack_user:
+        raise click.UsageError("--slack-user and --no-slack-user contradict each other")
+    slack: str | bool | None = (
+        slack_user if slack_user is not None else (None if no_slack_user else False)
+    )
+    try:
+        with ledger_errors(where.scrub):
+            account = _accounts(where).set(name, role=role, slack_user=slack, disabled=disabled)
+    except error as exc:
+        raise click.ClickException(safe(str(exc))) from None
+    state = "disabled" if account.disabled else "enabled"
+    slack_text = account.slack_user or "no Slack user"
+    click.echo(safe(f"{account.name}: {account.role.value}, {slack_text}, {state}"))
+
+
+@users.command("passwd")
+@click.argument("name")
+@click.option("--password-stdin", is_flag=True, help="Read the password from standard input.")
+@click.option("--none", "no_password", is_flag=True, help="Remove it (auth proxy only).")
+@click.pass_obj
+def set_password(where: Where, name: str, password_stdin: bool, no_password: bool) -> None:
+    """Set an account's password; its sessions end."""
+    error = _account_errors()
+    try:
+        with ledger_errors(where.scrub):
+            store = _accounts(where)
+            if store.get(name) is None:
+                raise error(f"no account {name!r}")
+            password = None if no_password else _password(name, password_stdin)
+            store.set_password(name, password)
+    except error as exc:
+        raise click.ClickException(safe(str(exc))) from None
+    click.echo(safe(f"{name}: password {'removed' if no_password else 'set'}; its sessions ended"))
+
+
+@users.command("logout")
+@click.argument("name")
+@click.pass_obj
+def logout_user(where: Where, name: str) -> None:
+    """End every session of an account (it logs in again)."""
+    error = _account_errors()
+    try:
+        with ledger_errors(where.scrub):
+            _accounts(where).end_sessions(name)
+    except error as exc:
+        raise click.ClickException(safe(str(exc))) from None
+    click.echo(safe(f"{name}: every session ended"))
+
+
+@users.command("rm")
+@click.argument("name")
+@click.pass_obj
+def remove_user(where: Where, name: str) -> None:
+    """Remove an account; its sessions end. Its past decisions keep its name."""
+    error = _account_errors()
+    try:
+        with ledger_errors(where.scrub):
+            _accounts(where).remove(name)
+    except error as exc:
+        raise click.ClickException(safe(str(exc))) from None
+    click.echo(safe(f"removed {name} from {where.label}"))
