@@ -85,7 +85,7 @@ def test_a_gated_crew_makes_one_request_entry_per_round_each_delivered_once(
         for _ in range(2):  # still pending: the same request, no new entry
             with pytest.raises(ApprovalRequired):
                 kickoff()
-        _cli(url, "approvals", "approve", rid, "--by", "cfo", "--ttl", "1s")
+        _cli(url, "approvals", "approve", rid, "--ttl", "1s")
         _until(lambda: delivered("approval.approved") == 1, "the approval was not delivered")
         backend = backend_from_url(url)
         try:
@@ -97,7 +97,7 @@ def test_a_gated_crew_makes_one_request_entry_per_round_each_delivered_once(
             with pytest.raises(ApprovalRequired):
                 kickoff()
             _until(lambda: delivered("approval.requested") == 2, "round 2 was not delivered")
-            _cli(url, "approvals", "approve", rid, "--by", "cfo")
+            _cli(url, "approvals", "approve", rid)
             kickoff()  # approved: paid once
             kickoff()  # a replay
             _until(lambda: delivered("approval.approved") == 2, "round 2's approval")
