@@ -149,3 +149,19 @@ def backend_url(factory: BackendFactory) -> str:
 @pytest.fixture
 def backend(open_backend: Callable[[], CacheBackend]) -> CacheBackend:
     return open_backend()
+
+
+@pytest.fixture(autouse=True)
+def _reconcilers_stay_in_their_test() -> Iterator[None]:
+    """The sweeper's registry is process-wide: a tool built in one test (recovery.md's
+    pay_invoice with a Stripe verifier) would otherwise answer for the records another
+    test's sweeper finds under the same tool name, against a fake server long closed."""
+    from crewai_idempotent.reconciliation import _registry
+
+    before = {**_registry._registered}, {**_registry._from_tools}
+    yield
+    with _registry._lock:
+        _registry._registered.clear()
+        _registry._registered.update(before[0])
+        _registry._from_tools.clear()
+        _registry._from_tools.update(before[1])
