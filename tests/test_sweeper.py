@@ -286,12 +286,24 @@ def test_a_reconciler_that_hangs_is_unknown_at_its_timeout_and_its_late_answer_i
 
     uncertain(ledger, "hung:1", tool="hung")
     sweeper = sweeper_of(ledger, reconcilers={"hung": hangs}, timeout_s=30)
-    # The ledger's clock is moved past the timeout once the reconciler is being asked;
-    # nothing waits 30 s of real time.
-    mover = threading.Thread(target=lambda: (asking.wait(60), clock.advance(31)))
+    # The ledger's clock is moved past the timeout once the reconciler is being asked,
+    # and again until the sweep returns: a single move could land before the driver reads
+    # the clock for its deadline, and the wait would then last 30 s of real time.
+    swept = threading.Event()
+
+    def move() -> None:
+        asking.wait(60)
+        while not swept.is_set():
+            clock.advance(31)
+            swept.wait(0.01)
+
+    mover = threading.Thread(target=move)
     mover.start()
-    (result,) = sweeper.sweep().results
-    mover.join()
+    try:
+        (result,) = sweeper.sweep().results
+    finally:
+        swept.set()
+        mover.join()
     assert result.outcome == "unknown"
     assert "did not answer within reconcile_timeout_s=30 s" in result.reason
     release.set()
