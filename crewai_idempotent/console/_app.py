@@ -45,6 +45,7 @@ from .._approvals import (
 from .._backend import CacheBackend, url_of
 from .._errors import IdempotencyError, ResolutionRefused
 from .._ledger import Ledger
+from ..notifications._outbox import TYPES, Outbox
 from . import _slack, _views
 from ._accounts import Accounts, Role
 from ._auth import LoginThrottle, Trust, Who, networks
@@ -82,6 +83,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("uncertain", "/uncertain", "Uncertain"),
     Section("records", "/records", "Records"),
     Section("spend", "/spend", "Spend"),
+    Section("notifications", "/notifications", "Notifications"),
 )
 
 Background = Callable[["Console"], Coroutine[Any, Any, None]]
@@ -636,6 +638,24 @@ def _spend_page(console: Console, request: Request, who: Who, form: FormData | N
                 budgets=_views.budgets(console.ledger))  # fmt: skip
 
 
+def _notifications_page(
+    console: Console, request: Request, who: Who, form: FormData | None
+) -> Response:
+    q = request.query_params
+    state = (q.get("state") or "").lower()
+    kind = (q.get("type") or "").strip()
+    error = ""
+    if state not in _views.NOTIFICATION_STATES:
+        error = f"No state {state!r}: pending, failing, delivered or waiting."
+        state = ""
+    page = _views.notifications_page(Outbox(console.backend), state, kind)
+    return html(
+        "notifications.html", 400 if error else 200,
+        **console.context(request, who, "notifications"), page=page, state=state, kind=kind,
+        types=sorted(TYPES), error=error,
+    )  # fmt: skip
+
+
 def _home(console: Console, request: Request, who: Who, form: FormData | None) -> Response:
     return RedirectResponse("/approvals", 303)
 
@@ -775,6 +795,7 @@ def create_app(
             _route("/record", "view", _record_page),
             _route("/record/resolve", "resolve", _resolve, ["POST"]),
             _route("/spend", "view", _spend_page),
+            _route("/notifications", "view", _notifications_page),
             Route("/events", events),
             Route("/slack/interactive", slack_interactive, methods=["POST"]),
             *routes,
