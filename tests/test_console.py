@@ -207,7 +207,7 @@ def test_every_page_has_the_strict_policy_and_no_inline_code(
     Ledger(backend).run("charge:x", lambda: {"receipt": hostile})
     _as(client, "olga")
     pages = ["/login", "/approvals", f"/approvals/{rid}", "/uncertain", "/records", "/spend",
-             "/record?key=charge%3Ax", "/nowhere"]  # fmt: skip
+             "/record?key=charge%3Ax", "/notifications", "/nowhere"]  # fmt: skip
     for path in pages:
         answer = client.get(path)
         policy = answer.headers["content-security-policy"]
@@ -824,3 +824,16 @@ def test_the_console_sweeps_while_it_runs(backend: CacheBackend) -> None:
         wait_for(lambda: ledger.get("charge:swept").status is Status.COMMITTED, "the sweep")
     record = ledger.get("charge:swept")
     assert record is not None and record.value() == "receipt-charge:swept"
+
+
+def test_slack_channels_link_to_the_console_s_public_origin_unless_told_otherwise() -> None:
+    from crewai_idempotent.console._beside import link_console
+    from crewai_idempotent.notifications._slack import SlackChannel
+
+    hook = "https://hooks.slack.com/services/T000/B000/XXXX"
+    plain = SlackChannel(hook, {"name": "plain"})
+    own = SlackChannel(hook, {"name": "own", "console": "https://x.test"})
+    assert link_console([plain, own], None) == [] and plain.console is None
+    settings = ConsoleSettings(public_url="https://Approvals.example.com/")
+    assert link_console([plain, own], settings.public_origin) == ["plain"]
+    assert plain.console == "https://approvals.example.com" and own.console == "https://x.test"
