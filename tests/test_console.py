@@ -780,6 +780,7 @@ def test_the_notifications_page_shows_entries_tries_and_filters(backend: CacheBa
         assert said.id in delivered and asked.id not in delivered
         typed = c.get("/notifications", params={"type": "alert.*"}).text
         assert said.id in typed and asked.id not in typed
+        assert "This console delivers nothing" in page.text  # no dispatcher runs here
         wrong = c.get("/notifications", params={"state": "lost"})
         assert wrong.status_code == 400 and "No state" in wrong.text
 
@@ -793,10 +794,13 @@ def test_the_console_delivers_the_outbox_while_it_runs(backend: CacheBackend) ->
     try:
         dispatcher = Dispatcher(backend, [receiver.webhook()], poll_s=0.05)
         app = create_app(backend, ConsoleSettings(), background=[dispatching(dispatcher)])
-        with TestClient(app, base_url=BASE, client=("127.0.0.1", 50000)):
+        with TestClient(app, base_url=BASE, client=("127.0.0.1", 50000)) as c:
             rid = ask(backend, "inv-live", {"amount_cents": 500})
             (got,) = receiver.wait_for(1, timeout=60)
             assert got["verified"] is True, got["error"]
+            _as(c, "victor")
+            said = c.get("/notifications").text
+            assert f"(dispatcher <code>{dispatcher.name}</code>)" in said
         # Stopped with the console: nothing more is sent from here.
         assert dispatcher._thread is not None and not dispatcher._thread.is_alive()
         from standardwebhooks import Webhook

@@ -23,7 +23,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 from starlette.applications import Starlette
@@ -60,6 +60,9 @@ from ._security import (
 )
 from ._sessions import Session, Sessions
 from ._settings import ConsoleSettings
+
+if TYPE_CHECKING:
+    from ..notifications._dispatch import Dispatcher
 
 log = logging.getLogger("crewai_idempotent.console")
 
@@ -145,6 +148,9 @@ class Console:
         )
         self.watcher = Watcher(backend, settings.refresh_s)
         self.label = url_of(backend)
+        # The outbox dispatchers running beside the console (`_beside`): the notifications
+        # page says whether anything here delivers what it lists.
+        self.dispatchers: list[Dispatcher] = []
 
     # -- the request's facts --------------------------------------------------------------
 
@@ -652,7 +658,7 @@ def _notifications_page(
     return html(
         "notifications.html", 400 if error else 200,
         **console.context(request, who, "notifications"), page=page, state=state, kind=kind,
-        types=sorted(TYPES), error=error,
+        types=sorted(TYPES), error=error, dispatchers=console.dispatchers,
     )  # fmt: skip
 
 

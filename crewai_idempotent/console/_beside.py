@@ -45,10 +45,12 @@ def dispatching(dispatcher: Dispatcher) -> Background:
 
         dispatcher.listener = listener
         dispatcher.start()
+        console.dispatchers.append(dispatcher)
         log.info("delivering notifications: %r", dispatcher)
         try:
             await _until_cancelled()
         finally:
+            console.dispatchers.remove(dispatcher)
             await asyncio.to_thread(dispatcher.close)
             dispatcher.listener = heard
 
