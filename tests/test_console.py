@@ -841,3 +841,33 @@ def test_slack_channels_link_to_the_console_s_public_origin_unless_told_otherwis
     settings = ConsoleSettings(public_url="https://Approvals.example.com/")
     assert link_console([plain, own], settings.public_origin) == ["plain"]
     assert plain.console == "https://approvals.example.com" and own.console == "https://x.test"
+
+
+def test_a_decision_in_the_console_is_delivered_without_waiting_for_a_poll(
+    backend: CacheBackend,
+) -> None:
+    from crewai_idempotent.console import dispatching
+    from crewai_idempotent.notifications import Dispatcher
+    from tests.notify_support import Receiver
+    from tests.reconcile_support import wait_for
+
+    receiver = Receiver().start()
+    try:
+        # Its first pass comes at once; the next only when woken (an hour is never reached).
+        dispatcher = Dispatcher(backend, [receiver.webhook()], poll_s=3600)
+        app = create_app(backend, ConsoleSettings(), background=[dispatching(dispatcher)])
+        before = dispatcher.last
+        with TestClient(app, base_url=BASE, client=("127.0.0.1", 50000)) as c:
+            wait_for(lambda: dispatcher.last is not before, "the dispatcher's first pass")
+            rid = ask(backend, "inv-woken", {"amount_cents": 900})
+            _as(c, "alice")
+            page = c.get(f"/approvals/{rid}")
+            done = c.post(f"/approvals/{rid}/approve", follow_redirects=False, data={
+                "csrf": csrf_of(page.text), "round": "1", "ttl": "1h", "reason": "checked",
+            })  # fmt: skip
+            assert done.status_code == 303
+            got = receiver.wait_for(2, timeout=60)
+        types = sorted(r["json"]["type"] for r in got)
+        assert types == ["approval.approved", "approval.requested"]
+    finally:
+        receiver.stop()

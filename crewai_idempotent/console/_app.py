@@ -152,6 +152,12 @@ class Console:
         # page says whether anything here delivers what it lists.
         self.dispatchers: list[Dispatcher] = []
 
+    def wake_dispatchers(self) -> None:
+        """A decision made here wrote outbox entries with it: deliver them now rather than
+        at the next poll."""
+        for dispatcher in self.dispatchers:
+            dispatcher.wake()
+
     # -- the request's facts --------------------------------------------------------------
 
     def peer(self, request: Request) -> str | None:
@@ -525,6 +531,7 @@ def _decision(grant: bool) -> Handler:
             return again(console, request, who, form, str(exc))
         log.info("%s %s %s (%s)", who.name, "approved" if grant else "denied", rid,
                  decided.state.value)  # fmt: skip
+        console.wake_dispatchers()
         done = "approved" if grant else "denied"
         return RedirectResponse(f"{back}?{urlencode({'done': done, 'id': rid})}", 303)
 
@@ -628,6 +635,7 @@ def _resolve(console: Console, request: Request, who: Who, form: FormData | None
     except ResolutionRefused as exc:
         return again(console, request, who, form, str(exc))
     log.info("%s resolved %r as %s", who.name, key, verdict)
+    console.wake_dispatchers()
     if back.startswith("/record"):
         return RedirectResponse(f"/record?{urlencode({'key': key, 'done': 'resolved'})}", 303)
     return RedirectResponse("/uncertain?done=resolved", 303)
@@ -741,6 +749,7 @@ def _slack_click(console: Console, click: _slack.Click) -> str:
     except ApprovalAlreadyDecided as exc:
         return f"Nothing changed: {exc}"
     log.info("%s (Slack %s) decided %s: %s", who.name, click.user, decided.id, decided.state.value)
+    console.wake_dispatchers()
     if decided.state is ApprovalState.PENDING:
         return (
             f"Approved {decided.id} as {who.name}: {len(decided.approvals)} of "
