@@ -13,12 +13,17 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ._output import duration, ledger_errors, safe
 from ._where import Where
+
+if TYPE_CHECKING:
+    from .._backend import CacheBackend
+    from ..console._app import Background
+    from ..console._settings import ConsoleSettings
 
 SLACK_SECRET_ENV = "CREWAI_IDEMPOTENT_SLACK_SIGNING_SECRET"
 _EXTRA = "pip install 'crewai-idempotent[console]'"
@@ -202,7 +207,9 @@ def _serve(where: Where, **o: Any) -> None:
         raise click.ClickException(str(exc)) from None
 
 
-def _dispatching(backend: Any, settings: Any, o: dict[str, Any]) -> list[Any]:
+def _dispatching(
+    backend: CacheBackend, settings: ConsoleSettings, o: dict[str, Any]
+) -> list[Background]:
     """The dispatcher the console runs (none with --no-dispatch, or without a channel),
     made before it listens: a channel that cannot work is an error now."""
     from ..console._beside import dispatching, link_console
@@ -235,7 +242,7 @@ def _dispatching(backend: Any, settings: Any, o: dict[str, Any]) -> list[Any]:
     return [dispatching(dispatcher)]
 
 
-def _sweeping(where: Where, o: dict[str, Any], interval: float) -> list[Any]:
+def _sweeping(where: Where, o: dict[str, Any], interval: float) -> list[Background]:
     """The sweeper the console runs with --reconcile, its reconcilers imported now."""
     if not o["reconcile"]:
         if o["imports"] or o["trust"]:
