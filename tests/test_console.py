@@ -207,7 +207,7 @@ def test_every_page_has_the_strict_policy_and_no_inline_code(
     Ledger(backend).run("charge:x", lambda: {"receipt": hostile})
     _as(client, "olga")
     pages = ["/login", "/approvals", f"/approvals/{rid}", "/uncertain", "/records", "/spend",
-             "/record?key=charge%3Ax", "/nowhere"]  # fmt: skip
+             "/record?key=charge%3Ax", "/notifications", "/nowhere"]  # fmt: skip
     for path in pages:
         answer = client.get(path)
         policy = answer.headers["content-security-policy"]
@@ -732,3 +732,142 @@ def test_live_updates_do_not_keep_an_unattended_session_alive(backend: CacheBack
     assert sessions.find(used) is not None
     clock.advance(3000)  # past the session's end, whatever the activity
     assert sessions.find(used) is None
+
+
+# -- notifications ----------------------------------------------------------------------------
+
+
+def test_the_notifications_page_shows_entries_tries_and_filters(backend: CacheBackend) -> None:
+    from crewai_idempotent.notifications import Dispatcher, Outbox, alert
+    from tests.notify_support import Receiver
+
+    down, up = Receiver().start(), Receiver().start()
+    try:
+        down.status = 503
+        channels = [down.webhook(types="approval.*", name="pager"),
+                    up.webhook(types="alert.*", name="hook")]  # fmt: skip
+        dispatcher = Dispatcher(backend, channels, backoff_s=3600)
+        rid = ask(backend, "inv-notify", {"amount_cents": 1200})
+        dispatcher.run_once()
+        hostile = "<script>alert(1)</script> stale \u202e"
+        alert(backend, "alert.stale_uncertain", hostile, "look at it", subject="charge:9")
+        dispatcher.run_once()
+        assert len(down.received) == 1 and len(up.received) == 1
+        entries = {e.type: e for e in Outbox(backend).entries()}
+        asked, said = entries["approval.requested"], entries["alert.stale_uncertain"]
+        assert asked.state == "due" and said.state == "delivered"
+    finally:
+        down.stop()
+        up.stop()
+    with _client(backend) as c:
+        assert c.get("/notifications", follow_redirects=False).status_code == 303
+        _as(c, "victor")  # a viewer
+        page = c.get("/notifications")
+        assert page.status_code == 200, page.text
+        assert 'href="/notifications" aria-current="page"' in page.text
+        for shown in (asked.id, said.id, rid, "pager", "hook", "HTTP 503", "failing", "charge:9"):
+            assert shown in page.text, shown
+        tries = re.findall(r'<tr class="(ok|failed)">.*?</tr>', page.text, re.S)
+        assert sorted(tries) == ["failed", "ok"]
+        assert "<script>alert(1)" not in page.text and "&lt;script&gt;alert(1)" in page.text
+        assert "U+202E" in page.text and "\u202e" not in page.text
+        parser = _Inline()
+        parser.feed(page.text)
+        assert parser.found == []
+        failing = c.get("/notifications", params={"state": "failing"}).text
+        assert asked.id in failing and said.id not in failing
+        delivered = c.get("/notifications", params={"state": "delivered"}).text
+        assert said.id in delivered and asked.id not in delivered
+        typed = c.get("/notifications", params={"type": "alert.*"}).text
+        assert said.id in typed and asked.id not in typed
+        assert "This console delivers nothing" in page.text  # no dispatcher runs here
+        wrong = c.get("/notifications", params={"state": "lost"})
+        assert wrong.status_code == 400 and "No state" in wrong.text
+
+
+def test_the_console_delivers_the_outbox_while_it_runs(backend: CacheBackend) -> None:
+    from crewai_idempotent.console import dispatching
+    from crewai_idempotent.notifications import Dispatcher, Outbox
+    from tests.notify_support import SECRET, Receiver
+
+    receiver = Receiver().start()
+    try:
+        dispatcher = Dispatcher(backend, [receiver.webhook()], poll_s=0.05)
+        app = create_app(backend, ConsoleSettings(), background=[dispatching(dispatcher)])
+        with TestClient(app, base_url=BASE, client=("127.0.0.1", 50000)) as c:
+            rid = ask(backend, "inv-live", {"amount_cents": 500})
+            (got,) = receiver.wait_for(1, timeout=60)
+            assert got["verified"] is True, got["error"]
+            _as(c, "victor")
+            said = c.get("/notifications").text
+            assert f"(dispatcher <code>{dispatcher.name}</code>)" in said
+        # Stopped with the console: nothing more is sent from here.
+        assert dispatcher._thread is not None and not dispatcher._thread.is_alive()
+        from standardwebhooks import Webhook
+
+        body = Webhook(SECRET).verify(got["body"], got["headers"])
+        assert body["type"] == "approval.requested" and body["data"]["id"] == rid
+        (entry,) = Outbox(backend).entries()
+        assert got["id"] == entry.id and entry.state == "delivered"
+        assert [t["by"] for t in entry.log] == [dispatcher.name]
+        assert len(receiver.received) == 1
+    finally:
+        receiver.stop()
+
+
+def test_the_console_sweeps_while_it_runs(backend: CacheBackend) -> None:
+    from crewai_idempotent.console import sweeping
+    from crewai_idempotent.reconciliation import Sweeper
+    from tests.reconcile_support import uncertain, wait_for
+
+    ledger = Ledger(backend)
+    uncertain(ledger, "charge:swept", {"answer": "found"})
+    sweeper = Sweeper(ledger, imports=["tests.reconcile_support"])
+    app = create_app(backend, ConsoleSettings(), background=[sweeping(sweeper, 0.05)])
+    with TestClient(app, base_url=BASE, client=("127.0.0.1", 50000)):
+        wait_for(lambda: ledger.get("charge:swept").status is Status.COMMITTED, "the sweep")
+    record = ledger.get("charge:swept")
+    assert record is not None and record.value() == "receipt-charge:swept"
+
+
+def test_slack_channels_link_to_the_console_s_public_origin_unless_told_otherwise() -> None:
+    from crewai_idempotent.console._beside import link_console
+    from crewai_idempotent.notifications._slack import SlackChannel
+
+    hook = "https://hooks.slack.com/services/T000/B000/XXXX"
+    plain = SlackChannel(hook, {"name": "plain"})
+    own = SlackChannel(hook, {"name": "own", "console": "https://x.test"})
+    assert link_console([plain, own], None) == [] and plain.console is None
+    settings = ConsoleSettings(public_url="https://Approvals.example.com/")
+    assert link_console([plain, own], settings.public_origin) == ["plain"]
+    assert plain.console == "https://approvals.example.com" and own.console == "https://x.test"
+
+
+def test_a_decision_in_the_console_is_delivered_without_waiting_for_a_poll(
+    backend: CacheBackend,
+) -> None:
+    from crewai_idempotent.console import dispatching
+    from crewai_idempotent.notifications import Dispatcher
+    from tests.notify_support import Receiver
+    from tests.reconcile_support import wait_for
+
+    receiver = Receiver().start()
+    try:
+        # Its first pass comes at once; the next only when woken (an hour is never reached).
+        dispatcher = Dispatcher(backend, [receiver.webhook()], poll_s=3600)
+        app = create_app(backend, ConsoleSettings(), background=[dispatching(dispatcher)])
+        before = dispatcher.last
+        with TestClient(app, base_url=BASE, client=("127.0.0.1", 50000)) as c:
+            wait_for(lambda: dispatcher.last is not before, "the dispatcher's first pass")
+            rid = ask(backend, "inv-woken", {"amount_cents": 900})
+            _as(c, "alice")
+            page = c.get(f"/approvals/{rid}")
+            done = c.post(f"/approvals/{rid}/approve", follow_redirects=False, data={
+                "csrf": csrf_of(page.text), "round": "1", "ttl": "1h", "reason": "checked",
+            })  # fmt: skip
+            assert done.status_code == 303
+            got = receiver.wait_for(2, timeout=60)
+        types = sorted(r["json"]["type"] for r in got)
+        assert types == ["approval.approved", "approval.requested"]
+    finally:
+        receiver.stop()

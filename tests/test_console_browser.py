@@ -451,3 +451,40 @@ def test_a_link_from_another_site_keeps_the_session(
     # Twice: the navigation from the other site (no cookie: the page that starts it again),
     # then the same one from the console itself (the cookie, the request).
     assert len(re.findall(f'"GET /approvals/{rid} HTTP/1.1" 200', console.output())) == 2
+
+
+def test_the_notifications_page_shows_a_delivery_as_it_happens(
+    browser: Any, ledger_url: str
+) -> None:
+    from crewai_idempotent.notifications import ENV, Outbox
+    from tests.notify_support import Receiver
+
+    receiver = Receiver().start()
+    receiver.hold = threading.Event()  # the first try waits at the receiver until released
+    store = backend_from_url(ledger_url)
+    try:
+        with served(ledger_url, env={ENV: receiver.webhook(name="ops-hook")}) as running:
+            victor = Person(browser, running.url).login("victor")
+            try:
+                ask(store, "inv-told", {"invoice": "INV-77", "amount_cents": 4200})
+                (entry,) = Outbox(store).entries()
+                assert receiver.holding.acquire(timeout=120), "no delivery came"
+                page = victor.page
+                page.click("nav >> text=Notifications")
+                page.wait_for_url("**/notifications")
+                card = page.locator(f"article#{entry.id}")
+                assert "approval.requested" in card.inner_text()
+                assert card.locator("tr.ok").count() == 0
+                receiver.hold.set()
+                # No reload: the live update brings the try in.
+                card.locator("table.tries tr.ok").wait_for()
+                text = card.inner_text()
+                assert "ops-hook" in text and "delivered" in text
+                assert victor.errors == []
+            finally:
+                victor.close()
+        assert len(receiver.received) == 1 and receiver.received[0]["verified"] is True
+    finally:
+        receiver.hold.set()
+        receiver.stop()
+        store.close()

@@ -7,13 +7,17 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
-from crewai_idempotent import Ledger, backend_from_url
+from crewai_idempotent import Ledger, Status, backend_from_url
 from crewai_idempotent.cli import main
 from crewai_idempotent.console import Accounts, Role
-from tests.console_support import PASSWORD, served
+from crewai_idempotent.notifications import ENV, Outbox
+from tests.console_support import PASSWORD, ask, served
+from tests.notify_support import Receiver
+from tests.reconcile_support import uncertain, wait_for
 
 pytest.importorskip("argon2", reason="the console extra is not installed")
 
@@ -149,3 +153,82 @@ def test_purge_all_says_it_takes_the_console_accounts(url: str) -> None:
     done = CliRunner().invoke(main, ["--ledger", url, "purge", "--all"], input="n\n")
     assert done.exit_code == 1 and "the web console's accounts and sessions too" in done.output
     assert _accounts(url).get("alice") is not None
+
+
+# -- what runs beside it ----------------------------------------------------------------------
+
+
+def test_what_runs_beside_it_is_checked_before_it_listens(url: str) -> None:
+    for args, message in (
+        (["--channel", "carrier-pigeon://coop"], "not a notification channel URL"),
+        (["--channel", "webhook+https://hooks.example.com/x"], "secret"),
+        (["--no-dispatch", "--channel", "slack+https://hooks.slack.com/services/T/B/X"],
+         "contradict"),
+        (["--import", "tests.reconcile_support"], "are for --reconcile"),
+        (["--reconcile", "--reconcile-interval", "never"], "not a duration"),
+    ):  # fmt: skip
+        done = cli(url, *args)
+        assert done.exit_code == 2 and message in done.output, (args, done.output)
+    missing = cli(url, "--reconcile", "--import", "no_such_module_of_reconcilers")
+    assert missing.exit_code == 1 and "--import: ModuleNotFoundError" in missing.output
+
+
+def test_the_console_delivers_what_the_notify_setting_names(url: str) -> None:
+    receiver = Receiver().start()
+    store = backend_from_url(url)
+    try:
+        with served(url, env={ENV: receiver.webhook()}) as console:
+            rid = ask(store, "inv-served", {"amount_cents": 700})
+            (got,) = receiver.wait_for(1, timeout=120)
+        assert "delivering notifications to webhook-" in console.output()
+        assert got["verified"] is True, got["error"]
+        assert got["json"]["type"] == "approval.requested" and got["json"]["data"]["id"] == rid
+        (entry,) = Outbox(store).entries()
+        assert entry.state == "delivered" and got["id"] == entry.id
+        assert len(receiver.received) == 1
+    finally:
+        receiver.stop()
+        store.close()
+
+
+def test_no_dispatch_leaves_delivery_to_notify(url: str) -> None:
+    receiver = Receiver().start()
+    store = backend_from_url(url)
+    hook = receiver.webhook()
+    try:
+        ask(store, "inv-elsewhere", {"amount_cents": 800})
+        with served(url, "--no-dispatch", env={ENV: hook}) as console:
+            # Serving: its lifespan (where a dispatcher would start) has run.
+            assert httpx.get(f"{console.url}/login", timeout=60).status_code == 200
+        assert "not delivering notifications (--no-dispatch)" in console.output()
+        assert receiver.received == []
+        (entry,) = Outbox(store).entries()
+        assert entry.state == "due" and entry.tries == 0
+        done = CliRunner().invoke(main, ["--ledger", url, "notify", "--channel", hook])
+        assert done.exit_code == 0, done.output
+        (got,) = receiver.wait_for(1)
+        assert got["verified"] is True and got["id"] == entry.id
+    finally:
+        receiver.stop()
+        store.close()
+
+
+def test_the_console_with_reconcile_settles_what_the_reconciler_finds(url: str) -> None:
+    store = backend_from_url(url)
+    ledger = Ledger(store)
+    try:
+        uncertain(ledger, "charge:lost", {"answer": "found"})
+        args = ("--reconcile", "--import", "tests.reconcile_support",
+                "--reconcile-interval", "0.2s")  # fmt: skip
+        with served(url, *args) as console:
+
+            def settled() -> bool:
+                record = ledger.get("charge:lost")
+                return record is not None and record.status is Status.COMMITTED
+
+            wait_for(settled, "the console's sweep", timeout=120)
+        assert "sweeping" in console.output()
+        record = ledger.get("charge:lost")
+        assert record is not None and record.value() == "receipt-charge:lost"
+    finally:
+        store.close()

@@ -13,12 +13,17 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ._output import duration, ledger_errors, safe
 from ._where import Where
+
+if TYPE_CHECKING:
+    from .._backend import CacheBackend
+    from ..console._app import Background
+    from ..console._settings import ConsoleSettings
 
 SLACK_SECRET_ENV = "CREWAI_IDEMPOTENT_SLACK_SIGNING_SECRET"
 _EXTRA = "pip install 'crewai-idempotent[console]'"
@@ -127,13 +132,34 @@ def _where(ctx: click.Context, url: str | None) -> Where:
 @click.option("--slack-team", metavar="TEAM_ID", help="Only this Slack workspace's posts.")
 @click.option("--slack-grant-ttl", default="24h", show_default=True,
               help="How long a grant given in Slack lasts.")  # fmt: skip
+@click.option(
+    "--channel",
+    "channels",
+    multiple=True,
+    metavar="URL",
+    help="Deliver the outbox to this channel (as `notify --channel`) while the console "
+    "runs; repeatable. Default: $CREWAI_IDEMPOTENCY_NOTIFY.",
+)
+@click.option("--no-dispatch", is_flag=True,
+              help="Deliver nothing: a separate `notify --watch` does.")  # fmt: skip
+@click.option("--reconcile", is_flag=True,
+              help="Also sweep (as `reconcile --watch`) while the console runs.")  # fmt: skip
+@click.option("--import", "imports", multiple=True, metavar="MODULE",
+              help="With --reconcile: import MODULE (its reconcilers) and trust the paths "
+              "records name under it. Repeatable.")  # fmt: skip
+@click.option("--trust", multiple=True, metavar="MODULE",
+              help="With --reconcile: trust reconcilers under MODULE. Repeatable.")  # fmt: skip
+@click.option("--reconcile-interval", default="30s", show_default=True, metavar="AGE",
+              help="With --reconcile: the pause between sweeps.")  # fmt: skip
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))  # fmt: skip
 @click.pass_context
 def console(ctx: click.Context, url: str | None, **options: Any) -> None:
-    """The web console: pending approvals with the whole call, uncertain records, records
-    and spend, for authenticated approvers. See docs/console.md.
+    """The web console: pending approvals with the whole call, uncertain records, records,
+    spend and notifications, for authenticated approvers. See docs/console.md.
 
+    It delivers the outbox to its channels (--channel, else $CREWAI_IDEMPOTENCY_NOTIFY;
+    --no-dispatch: not) and, with --reconcile, sweeps the ledger, for as long as it runs.
     It listens on 127.0.0.1:8765 by default. Accounts: `console users add NAME --role
     viewer|approver|operator`."""
     where = _where(ctx, url)
@@ -165,17 +191,79 @@ def _serve(where: Where, **o: Any) -> None:
         )  # fmt: skip
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    interval = _seconds(o["reconcile_interval"], "--reconcile-interval")
     backend = _backend(where)
     with ledger_errors(where.scrub):
         _check_accounts(backend, settings.auth)
+    background = [*_dispatching(backend, settings, o), *_sweeping(where, o, interval)]
     try:
         serve(
             backend, settings, host=o["host"], port=o["port"], tls_cert=o["tls_cert"],
             tls_key=o["tls_key"], log_level=o["log_level"],
             say=lambda line: click.echo(safe(line), err=line.startswith("WARNING")),
+            background=background,
         )  # fmt: skip
     except ListenError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _dispatching(
+    backend: CacheBackend, settings: ConsoleSettings, o: dict[str, Any]
+) -> list[Background]:
+    """The dispatcher the console runs (none with --no-dispatch, or without a channel),
+    made before it listens: a channel that cannot work is an error now."""
+    from ..console._beside import dispatching, link_console
+    from ..notifications._channels import ENV
+    from ..notifications._dispatch import Dispatcher
+    from ._notify import channels_given
+
+    if o["no_dispatch"]:
+        if o["channels"]:
+            raise click.UsageError("--channel and --no-dispatch contradict each other")
+        click.echo("not delivering notifications (--no-dispatch): `crewai-idempotent notify "
+                   "--watch` must run somewhere", err=True)  # fmt: skip
+        return []
+    found = channels_given(o["channels"])
+    if not found:
+        click.echo(f"note: no notification channel (--channel URL or ${ENV}): entries wait "
+                   "in the outbox for `crewai-idempotent notify --watch`", err=True)  # fmt: skip
+        return []
+    linked = link_console(found, settings.public_origin)
+    try:
+        dispatcher = Dispatcher(backend, found)
+    except ValueError as exc:
+        raise click.UsageError(safe(str(exc))) from None
+    names = ", ".join(f"{c.name} ({c.url})" for c in found)
+    click.echo(safe(f"delivering notifications to {names} (dispatcher {dispatcher.name})"),
+               err=True)  # fmt: skip
+    if linked:
+        click.echo(safe(f"Slack channel(s) {', '.join(linked)} link to "
+                        f"{settings.public_origin}"), err=True)  # fmt: skip
+    return [dispatching(dispatcher)]
+
+
+def _sweeping(where: Where, o: dict[str, Any], interval: float) -> list[Background]:
+    """The sweeper the console runs with --reconcile, its reconcilers imported now."""
+    if not o["reconcile"]:
+        if o["imports"] or o["trust"]:
+            raise click.UsageError("--import and --trust are for --reconcile")
+        return []
+    from ..console._beside import sweeping
+    from ..reconciliation import Sweeper
+
+    # A console script's sys.path lacks the current folder, where `myapp` usually is.
+    if o["imports"] and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    with ledger_errors(where.scrub):
+        ledger = where.ledger()
+    try:
+        sweeper = Sweeper(ledger, imports=o["imports"], trust=o["trust"])
+    except ImportError as exc:
+        raise click.ClickException(safe(f"--import: {type(exc).__name__}: {exc}")) from None
+    except (ValueError, TypeError) as exc:
+        raise click.UsageError(safe(str(exc))) from None
+    click.echo(safe(f"sweeping {where.label} every {interval:g} s"), err=True)
+    return [sweeping(sweeper, interval)]
 
 
 def _check_accounts(backend: Any, auth: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -14,6 +14,9 @@ from .._errors import LedgerConfigurationError
 from ..notifications._outbox import Entry, Outbox, check_id
 from ._output import ago, duration, ledger_errors, machine, safe, stamp
 from ._where import Where
+
+if TYPE_CHECKING:
+    from ..notifications._channels import Channel
 
 
 def _seconds(value: str, name: str) -> float:
@@ -23,6 +26,17 @@ def _seconds(value: str, name: str) -> float:
             f"{value!r} is not a positive duration (2s, 1m, 1h)", param_hint=name
         )
     return seconds
+
+
+def channels_given(channels: tuple[str, ...]) -> tuple[Channel, ...]:
+    """The channels `--channel` names, else `CREWAI_IDEMPOTENCY_NOTIFY`'s (the console
+    finds its own the same way)."""
+    from ..notifications._channels import channels_from, env_channels
+
+    try:
+        return channels_from(list(channels), "--channel") if channels else env_channels()
+    except (LedgerConfigurationError, TypeError) as exc:
+        raise click.BadParameter(safe(str(exc)), param_hint="--channel") from None
 
 
 @click.command("notify")
@@ -56,13 +70,10 @@ def notify(
     At least once to every channel, with the entry's id as the delivery id, one
     dispatcher per entry at a time however many run (on any host); a failed try is tried
     again later. Each delivery and failed try is printed, and kept: `notifications ls`."""
-    from ..notifications._channels import ENV, channels_from, env_channels
+    from ..notifications._channels import ENV
     from ..notifications._dispatch import Dispatcher
 
-    try:
-        found = channels_from(list(channels), "--channel") if channels else env_channels()
-    except (LedgerConfigurationError, TypeError) as exc:
-        raise click.BadParameter(safe(str(exc)), param_hint="--channel") from None
+    found = channels_given(channels)
     if not found:
         raise click.UsageError(f"no channel to deliver to: give --channel URL or set {ENV}")
 

@@ -6,6 +6,7 @@ python-multipart and argon2-cffi. Nothing here is imported by the rest of the pa
 
     create_app(backend, ConsoleSettings(...))   an ASGI app to serve or mount yourself
     serve(backend, settings, host=..., port=...) what `crewai-idempotent console` runs
+    dispatching(Dispatcher(...)), sweeping(Sweeper(...))  `background` jobs of create_app
     Accounts(backend)                           the accounts and roles the CLI manages
     actions_block(request)                      Slack's Approve / Deny buttons for a request
 
@@ -13,7 +14,8 @@ The parts: `_settings` (what a console is told), `_accounts` and `_sessions` (ke
 ledger), `_auth` (who is asking: a login or a trusted proxy; login throttling),
 `_security` (headers, origin and CSRF checks, body and host limits), `_views` (what each
 page reads), `_render` (templates, escaping), `_live` (live updates), `_slack` (button
-posts), `_app` (the routes), `_serve` (uvicorn).
+posts), `_app` (the routes), `_beside` (the dispatcher and sweeper it runs), `_serve`
+(uvicorn).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .._lazy import lazy_attributes
 if TYPE_CHECKING:
     from ._accounts import Account, AccountError, Accounts, Role
     from ._app import SECTIONS, Console, Section, create_app
+    from ._beside import dispatching, sweeping
     from ._serve import serve
     from ._settings import ConsoleSettings
     from ._slack import actions_block, button_value
@@ -38,6 +41,8 @@ _WHERE = {
     "Console": "._app",
     "Section": "._app",
     "create_app": "._app",
+    "dispatching": "._beside",
+    "sweeping": "._beside",
     "serve": "._serve",
     "ConsoleSettings": "._settings",
     "actions_block": "._slack",
@@ -58,5 +63,7 @@ __all__ = [
     "actions_block",
     "button_value",
     "create_app",
+    "dispatching",
     "serve",
+    "sweeping",
 ]

@@ -23,7 +23,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 from starlette.applications import Starlette
@@ -45,6 +45,7 @@ from .._approvals import (
 from .._backend import CacheBackend, url_of
 from .._errors import IdempotencyError, ResolutionRefused
 from .._ledger import Ledger
+from ..notifications._outbox import TYPES, Outbox
 from . import _slack, _views
 from ._accounts import Accounts, Role
 from ._auth import LoginThrottle, Trust, Who, networks
@@ -59,6 +60,9 @@ from ._security import (
 )
 from ._sessions import Session, Sessions
 from ._settings import ConsoleSettings
+
+if TYPE_CHECKING:
+    from ..notifications._dispatch import Dispatcher
 
 log = logging.getLogger("crewai_idempotent.console")
 
@@ -82,6 +86,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("uncertain", "/uncertain", "Uncertain"),
     Section("records", "/records", "Records"),
     Section("spend", "/spend", "Spend"),
+    Section("notifications", "/notifications", "Notifications"),
 )
 
 Background = Callable[["Console"], Coroutine[Any, Any, None]]
@@ -143,6 +148,15 @@ class Console:
         )
         self.watcher = Watcher(backend, settings.refresh_s)
         self.label = url_of(backend)
+        # The outbox dispatchers running beside the console (`_beside`): the notifications
+        # page says whether anything here delivers what it lists.
+        self.dispatchers: list[Dispatcher] = []
+
+    def wake_dispatchers(self) -> None:
+        """A decision made here wrote outbox entries with it: deliver them now rather than
+        at the next poll."""
+        for dispatcher in self.dispatchers:
+            dispatcher.wake()
 
     # -- the request's facts --------------------------------------------------------------
 
@@ -517,6 +531,7 @@ def _decision(grant: bool) -> Handler:
             return again(console, request, who, form, str(exc))
         log.info("%s %s %s (%s)", who.name, "approved" if grant else "denied", rid,
                  decided.state.value)  # fmt: skip
+        console.wake_dispatchers()
         done = "approved" if grant else "denied"
         return RedirectResponse(f"{back}?{urlencode({'done': done, 'id': rid})}", 303)
 
@@ -620,6 +635,7 @@ def _resolve(console: Console, request: Request, who: Who, form: FormData | None
     except ResolutionRefused as exc:
         return again(console, request, who, form, str(exc))
     log.info("%s resolved %r as %s", who.name, key, verdict)
+    console.wake_dispatchers()
     if back.startswith("/record"):
         return RedirectResponse(f"/record?{urlencode({'key': key, 'done': 'resolved'})}", 303)
     return RedirectResponse("/uncertain?done=resolved", 303)
@@ -634,6 +650,24 @@ def _purge(console: Console, request: Request, who: Who, form: FormData | None) 
 def _spend_page(console: Console, request: Request, who: Who, form: FormData | None) -> Response:
     return html("spend.html", **console.context(request, who, "spend"),
                 budgets=_views.budgets(console.ledger))  # fmt: skip
+
+
+def _notifications_page(
+    console: Console, request: Request, who: Who, form: FormData | None
+) -> Response:
+    q = request.query_params
+    state = (q.get("state") or "").lower()
+    kind = (q.get("type") or "").strip()
+    error = ""
+    if state not in _views.NOTIFICATION_STATES:
+        error = f"No state {state!r}: pending, failing, delivered or waiting."
+        state = ""
+    page = _views.notifications_page(Outbox(console.backend), state, kind)
+    return html(
+        "notifications.html", 400 if error else 200,
+        **console.context(request, who, "notifications"), page=page, state=state, kind=kind,
+        types=sorted(TYPES), error=error, dispatchers=console.dispatchers,
+    )  # fmt: skip
 
 
 def _home(console: Console, request: Request, who: Who, form: FormData | None) -> Response:
@@ -715,6 +749,7 @@ def _slack_click(console: Console, click: _slack.Click) -> str:
     except ApprovalAlreadyDecided as exc:
         return f"Nothing changed: {exc}"
     log.info("%s (Slack %s) decided %s: %s", who.name, click.user, decided.id, decided.state.value)
+    console.wake_dispatchers()
     if decided.state is ApprovalState.PENDING:
         return (
             f"Approved {decided.id} as {who.name}: {len(decided.approvals)} of "
@@ -775,6 +810,7 @@ def create_app(
             _route("/record", "view", _record_page),
             _route("/record/resolve", "resolve", _resolve, ["POST"]),
             _route("/spend", "view", _spend_page),
+            _route("/notifications", "view", _notifications_page),
             Route("/events", events),
             Route("/slack/interactive", slack_interactive, methods=["POST"]),
             *routes,

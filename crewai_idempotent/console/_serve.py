@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._backend import CacheBackend
-from ._app import create_app
+from ._app import Background, create_app
 from ._settings import ConsoleSettings
 
 DEFAULT_PORT = 8765
@@ -88,8 +88,10 @@ def serve(
     tls_key: str | None = None,
     log_level: str = "info",
     say: Callable[[str], Any] = print,
+    background: Sequence[Background] = (),
 ) -> None:
-    """Serve the console until interrupted."""
+    """Serve the console until interrupted; `background` jobs (`_beside`: the dispatcher,
+    the sweeper) run as long as it does."""
     import uvicorn
 
     sock = bind(host, port)
@@ -98,7 +100,7 @@ def serve(
         settings = dataclasses.replace(
             settings, allowed_hosts=(*settings.allowed_hosts, host.strip("[]"))
         )
-    app = create_app(backend, settings)
+    app = create_app(backend, settings, background=background)
     config = uvicorn.Config(
         app,
         proxy_headers=False,

@@ -1,12 +1,14 @@
 """What each page shows, read from the ledger: plain data the templates lay out.
 
 Nothing here writes. Every read goes through the same objects the CLI uses (`Approvals`,
-`Ledger`, `SpendLedger`), so the console shows what `approvals show`, `show` and `spend`
-print. The console's own documents (accounts, sessions) are never shown.
+`Ledger`, `SpendLedger`, `Outbox`), so the console shows what `approvals show`, `show`,
+`spend` and `notifications ls` print. The console's own documents (accounts, sessions)
+are never shown.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +19,7 @@ from .._ledger import Ledger
 from .._record import Record, Status
 from .._results import describe
 from .._spend import Budget, SpendLedger
+from ..notifications._outbox import Entry, Outbox
 from ._accounts import KEY as ACCOUNTS_KEY
 from ._sessions import PREFIX as SESSIONS
 
@@ -231,3 +234,42 @@ def uncertain(ledger: Ledger, now: float, requests: list[ApprovalRequest]) -> li
 
 def budgets(ledger: Ledger) -> list[Budget]:
     return SpendLedger(ledger.backend).budgets()
+
+
+# -- notifications ----------------------------------------------------------------------
+
+#: The states the notifications page filters by ("" is every entry), as `notifications ls`.
+NOTIFICATION_STATES = ("", "pending", "failing", "delivered", "waiting")
+NOTIFICATIONS_SHOWN = 300
+
+
+@dataclass(frozen=True, slots=True)
+class NotificationsPage:
+    entries: list[Entry]  # newest first: what just happened is what a person looks for
+    matched: int
+    total: int
+
+
+def failing(entry: Entry) -> bool:
+    """A channel's last try failed, and none delivered since."""
+    return any(d.last_error and d.state != "delivered" for d in entry.deliveries)
+
+
+def notifications_page(outbox: Outbox, state: str, pattern: str) -> NotificationsPage:
+    """The outbox's entries in `state` whose type matches `pattern` (`approval.*`), read
+    as `notifications ls` reads them."""
+    everything = outbox.entries(waiting=state == "waiting")
+    if state == "waiting":
+        everything = [e for e in everything if e.state == "unconfirmed"]
+    total = len(everything)
+    found = everything
+    if state == "pending":
+        found = [e for e in found if e.state != "delivered"]
+    elif state == "delivered":
+        found = [e for e in found if e.state == "delivered"]
+    elif state == "failing":
+        found = [e for e in found if failing(e)]
+    if pattern:
+        found = [e for e in found if fnmatch.fnmatchcase(e.type, pattern)]
+    found = found[::-1]
+    return NotificationsPage(found[:NOTIFICATIONS_SHOWN], len(found), total)
