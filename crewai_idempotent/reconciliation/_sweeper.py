@@ -42,6 +42,7 @@ from .._policy import check_seconds
 from .._record import Record, Status, _whoami
 from .._results import decode
 from .._steps import Swept, _Ask
+from ..notifications import _incidents
 from ._alerts import Alert, AlertChannel, count_swept, default_channels, report_open, send_all
 from ._registry import Finder, Reconciler, _Blocking, tool_of
 
@@ -118,12 +119,13 @@ class Sweeper:
     the import path a record names when it is under `imports` or `trust`
     (`_registry`). Each is asked for at most `timeout_s` (default: the ledger's
     `reconcile_timeout_s`, else 30 s); an Unknown answer is asked again after `backoff_s`,
-    doubling up to `max_backoff_s`. Alerts (`_alerts`) go to `channels` (default: the log
-    and OpenTelemetry): a record open for `alert_after_s`, a reconciler that answered
-    Unknown `alert_unknowns` times in a row, an unreachable ledger; the same condition is
-    said again after `alert_every_s`. `tools` and `keys` narrow a pass; `dry_run` asks
-    nothing and writes nothing, and says what it would ask. `concurrency`: how many
-    records one pass works on at once.
+    doubling up to `max_backoff_s`. Alerts (`_alerts`) go to `channels` (default: the log,
+    OpenTelemetry and the ledger's own notification outbox): a record open for
+    `alert_after_s`, a reconciler that answered Unknown `alert_unknowns` times in a row,
+    an unreachable ledger; the same condition is said again after `alert_every_s` (the
+    outbox keeps one entry per condition however often it is said). `tools` and `keys`
+    narrow a pass; `dry_run` asks nothing and writes nothing, and says what it would ask.
+    `concurrency`: how many records one pass works on at once.
     """
 
     def __init__(
@@ -170,7 +172,9 @@ class Sweeper:
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
         self.alert_after_s, self.alert_unknowns = float(alert_after_s), alert_unknowns
         self.alert_every_s = float(alert_every_s)
-        self.channels = list(default_channels() if channels is None else channels)
+        if channels is None:
+            channels = default_channels(self.ledger.backend)
+        self.channels = list(channels)
         self.concurrency = concurrency
         self.tools = None if tools is None else frozenset(tools)
         self.keys = None if keys is None else frozenset(keys)
@@ -426,12 +430,15 @@ class Sweeper:
         return True
 
     def _reachable(self) -> None:
-        """The ledger answered: an outage alerted before is over (the next one is said)."""
+        """The ledger answered: an outage alerted before is over (the next one is said).
+        The incidents watcher is told to look now rather than at its next probe, from its
+        own thread: this runs on the event loop too."""
         unreachable = Alert("ledger_unreachable", "", self.url).id
         with self._alert_lock:
             was = self._alerted.pop(unreachable, None)
         if was is not None:
             log.warning("the sweeper reads %s again", self.url)
+            _incidents.answered(self.ledger.backend)
 
     # -- again and again ------------------------------------------------------------------
 
