@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +28,7 @@ from crewai_idempotent import (
     LedgerUnavailable,
     OutcomeUncertain,
     Record,
+    SQLiteCacheBackend,
     Status,
 )
 from crewai_idempotent._backend import url_of
@@ -727,6 +731,41 @@ def test_a_ledger_the_sweepers_cannot_read_is_one_entry_once_it_answers(
     got = [r for r in receiver.received if r["json"]["type"] == "ledger.unavailable"]
     assert [(r["id"], r["verified"]) for r in got] == [(entry.id, True)]
     assert got[0]["json"]["data"]["alert"] == entry.data["alert"]
+
+
+def test_a_sweeper_that_died_in_an_outage_is_said_by_the_next_dispatcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, receiver: Receiver
+) -> None:
+    spool = tmp_path / "spool"
+    monkeypatch.setenv(_incidents.SPOOL_ENV, str(spool))
+    path = tmp_path / "ledger.db"
+    backend = SQLiteCacheBackend(path)
+    script = (
+        "import os, sys\n"
+        "from crewai_idempotent import SQLiteCacheBackend\n"
+        "from crewai_idempotent.reconciliation import Sweeper\n"
+        "from tests.test_ledger_errors import _Outage\n"
+        "store = _Outage(SQLiteCacheBackend(sys.argv[1]))\n"
+        "store.down = True\n"
+        "report = Sweeper(store, entry_points=False).sweep()\n"
+        "assert report.error is not None and len(report.alerts) == 1, report\n"
+        "os._exit(0)  # gone before the ledger answered\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, timeout=120)
+    assert done.returncode == 0
+    assert len(list(spool.glob("*/*.json"))) == 1
+    Dispatcher(backend, [receiver.webhook()]).run_once()
+    (got,) = receiver.received
+    assert got["verified"] is True and got["json"]["type"] == "ledger.unavailable"
+    data = got["json"]["data"]
+    assert data["alert_id"] == f"ledger_unreachable:{url_of(backend)}"
+    assert (
+        data["alert"].startswith("the sweeper cannot read the ledger")
+        and data["process"] != os.getpid()
+    )
+    assert not list(spool.glob("*/*.json"))
+    assert [e.type for e in Outbox(backend).entries()] == ["ledger.unavailable"]
 
 
 def test_alerts_and_outcomes_reach_opentelemetry_and_the_open_uncertain_gauge(
