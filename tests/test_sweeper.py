@@ -687,6 +687,31 @@ def test_an_old_record_a_reconciler_keeps_calling_unknown_is_one_outbox_entry_pe
     assert len([r for r in receiver.received if r["json"]["type"].startswith("alert.")]) == 2
 
 
+def test_on_the_loop_alerts_are_sent_off_it_and_reach_the_outbox(
+    sweeper_of: Callable[..., Sweeper],
+) -> None:
+    from crewai_idempotent.reconciliation import OutboxAlerts
+
+    backend = InMemoryCacheBackend()
+    ledger = Ledger(backend)
+    uncertain(ledger, "aw:old", {"answer": "unknown"})
+    threads: list[int] = []
+
+    class Where:
+        def send(self, alert: Alert) -> None:
+            threads.append(threading.get_ident())
+
+    sweeper = sweeper_of(ledger, alert_after_s=0, channels=[Where(), OutboxAlerts(backend)])
+
+    async def run() -> tuple[int, Any]:
+        return threading.get_ident(), await sweeper.asweep()
+
+    loop_thread, report = asyncio.run(run())
+    assert [a.kind for a in report.alerts] == ["uncertain_too_long"]
+    assert threads and loop_thread not in threads  # a store write never holds up the loop
+    assert [e.type for e in _alert_entries(backend)] == ["alert.uncertain_too_long"]
+
+
 def test_a_ledger_the_sweepers_cannot_read_is_one_entry_once_it_answers(
     backend: CacheBackend,
     sweeper_of: Callable[..., Sweeper],

@@ -76,7 +76,8 @@ class Alert:
 
 
 class AlertChannel(Protocol):
-    """Where alerts go: `send` is called once per alert, from the sweeper's thread."""
+    """Where alerts go: `send` is called once per alert, from the sweeper's thread (an
+    async sweeper's: one of its ledger's threads, never the event loop)."""
 
     def send(self, alert: Alert) -> None: ...
 

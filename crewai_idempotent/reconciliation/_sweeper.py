@@ -223,24 +223,27 @@ class Sweeper:
             found = ledger.records(Status.UNCERTAIN) + ledger.records(Status.PENDING)
             candidates = self._candidates(found, ledger.backend.now())
         except IdempotencyError as exc:
-            return self._unreachable(report, exc)
+            self._send(self._unreachable(report, exc))
+            return report
         progress.started(len(candidates))
         by = self.by
         if self.concurrency == 1 or len(candidates) < 2:
             for record in candidates:
                 result = self._one(record, by)
-                self._record(report, progress, result, self._now())
+                self._send(self._record(report, progress, result, self._now()))
         else:
             with concurrent.futures.ThreadPoolExecutor(
                 self.concurrency, thread_name_prefix="crewai-idempotent-sweep"
             ) as pool:
                 futures = [pool.submit(self._one, record, by) for record in candidates]
                 for future in concurrent.futures.as_completed(futures):
-                    self._record(report, progress, future.result(), self._now())
+                    raised = self._record(report, progress, future.result(), self._now())
+                    self._send(raised)
         try:
             open_now = len(ledger.records(Status.UNCERTAIN))
         except IdempotencyError as exc:
-            return self._unreachable(report, exc)
+            self._send(self._unreachable(report, exc))
+            return report
         return self._finish(report, open_now)
 
     async def asweep(self, progress: Progress | None = None) -> Report:
@@ -255,7 +258,8 @@ class Sweeper:
             found += list(await ledger._adrive(ledger._scan(Status.PENDING), io))
             candidates = self._candidates(found, await self._anow())
         except IdempotencyError as exc:
-            return self._unreachable(report, exc)
+            await self._asend(self._unreachable(report, exc))
+            return report
         progress.started(len(candidates))
         by = self.by
         limit = asyncio.Semaphore(self.concurrency)
@@ -263,13 +267,14 @@ class Sweeper:
         async def one(record: Record) -> None:
             async with limit:
                 result = await self._aone(record, by)
-            self._record(report, progress, result, await self._anow())
+            await self._asend(self._record(report, progress, result, await self._anow()))
 
         await asyncio.gather(*(one(record) for record in candidates))
         try:
             open_now = len(await ledger._adrive(ledger._scan(Status.UNCERTAIN), io))
         except IdempotencyError as exc:
-            return self._unreachable(report, exc)
+            await self._asend(self._unreachable(report, exc))
+            return report
         return self._finish(report, open_now)
 
     def _now(self) -> float:
@@ -361,15 +366,21 @@ class Sweeper:
             swept.record if swept.record is not None else record,
         )  # fmt: skip
 
-    def _record(self, report: Report, progress: Progress, result: Result, now: float) -> None:
+    def _record(
+        self, report: Report, progress: Progress, result: Result, now: float
+    ) -> list[Alert]:
+        """Note `result` in the report; the alerts it raises, for the caller to send."""
         report.results.append(result)
+        raised = []
         if not self.dry_run:
             count_swept(result.outcome, result.tool, self.ledger.backend)
-            report.alerts.extend(self._alerts_for(result, now))
+            raised = self._alerts_for(result, now)
+            report.alerts.extend(raised)
         try:
             progress.done(result)
         except Exception:  # a progress display never stops a pass
             log.exception("the sweep's progress display failed")
+        return raised
 
     def _finish(self, report: Report, open_now: int) -> Report:
         report.open_uncertain = open_now
@@ -378,13 +389,14 @@ class Sweeper:
         report_open(self.ledger.backend, open_now)
         return report
 
-    def _unreachable(self, report: Report, exc: Exception) -> Report:
+    def _unreachable(self, report: Report, exc: Exception) -> list[Alert]:
         report.error = str(exc) or type(exc).__name__
         report.finished = time.time()
         alert = Alert("ledger_unreachable", f"the sweeper cannot read the ledger: {exc}", self.url)
-        if self._alert(alert.id, alert):
-            report.alerts.append(alert)
-        return report
+        if not self._due(alert.id):
+            return []
+        report.alerts.append(alert)
+        return [alert]
 
     # -- alerts --------------------------------------------------------------------------
 
@@ -416,18 +428,28 @@ class Sweeper:
                 self.url, record.key, record, result.tool, age, unknowns,
             )  # fmt: skip
             raised.append(alert)
-        return [alert for alert in raised if self._alert(alert.id, alert)]
+        return [alert for alert in raised if self._due(alert.id)]
 
-    def _alert(self, alert_id: str, alert: Alert) -> bool:
-        """Send `alert` unless the same condition was said less than `alert_every_s` ago."""
+    def _due(self, alert_id: str) -> bool:
+        """Whether to say the condition now: not if it was said less than `alert_every_s`
+        ago (by this sweeper; the outbox keeps one entry whoever says it)."""
         with self._alert_lock:
             now = time.monotonic()
             last = self._alerted.get(alert_id)
             if last is not None and now - last < self.alert_every_s:
                 return False
             self._alerted[alert_id] = now
-        send_all(self.channels, alert)
         return True
+
+    def _send(self, alerts: list[Alert]) -> None:
+        for alert in alerts:
+            send_all(self.channels, alert)
+
+    async def _asend(self, alerts: list[Alert]) -> None:
+        """`_send` on one of the ledger's threads: a channel may write to the store (the
+        outbox), which must not hold up the event loop."""
+        if alerts:
+            await asyncio.wrap_future(self.ledger._lanes.io().submit(self._send, alerts))
 
     def _reachable(self) -> None:
         """The ledger answered: an outage alerted before is over (the next one is said).
