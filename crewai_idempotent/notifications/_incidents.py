@@ -78,8 +78,10 @@ def _note(backend: CacheBackend, error: BaseException) -> None:
 def alerted(backend: CacheBackend, alert_id: str, reason: str) -> None:
     """A sweeper could not read the ledger behind `backend` and said so (`alert_id`,
     `reason`): its open incident carries the alert into the `ledger.unavailable` entry,
-    spooled with it. The failed read opened the incident; an error the ledger did not
-    count (one the store raised as the ledger's own) opens one here. Never raises."""
+    spooled with it. The failed read usually opened the incident; an error the ledger
+    does not count as an outage (another IdempotencyError) opens one here, which the
+    watcher puts in the outbox as soon as the ledger answers its probe. Never raises: a
+    sweep goes on whatever its alarms do."""
     try:
         now = time.time()
         text = " ".join(reason.split())[:500]
