@@ -687,6 +687,24 @@ def test_an_old_record_a_reconciler_keeps_calling_unknown_is_one_outbox_entry_pe
     assert len([r for r in receiver.received if r["json"]["type"].startswith("alert.")]) == 2
 
 
+def test_an_alert_entry_never_carries_the_ledger_s_password(
+    postgres_server: Any, sweeper_of: Callable[..., Sweeper]
+) -> None:
+    from crewai_idempotent import backend_from_url
+
+    url = postgres_server.fresh_url().replace("postgres@", "postgres:pw-s3cret-42@", 1)
+    backend = backend_from_url(url)
+    try:
+        ledger = Ledger(backend)
+        uncertain(ledger, "pw:1", {"answer": "unknown"})
+        sweeper_of(ledger, channels=None, alert_after_s=0).sweep()
+        (entry,) = _alert_entries(backend)
+        assert "pw-s3cret-42" not in json.dumps(entry.data)
+        assert entry.data["fields"]["ledger"].startswith("postgresql://postgres:***@")
+    finally:
+        backend.close()
+
+
 def test_on_the_loop_alerts_are_sent_off_it_and_reach_the_outbox(
     sweeper_of: Callable[..., Sweeper],
 ) -> None:
