@@ -260,6 +260,11 @@ def _reconciliation_claims(ns: dict[str, Any]) -> None:
             assert [c["id"] for c in fake.charged("pay:inv_1")] == [receipt]
         finally:
             fake.close()
+            # The block built a pay_invoice tool, which this process's sweepers would ask
+            # (its verifier, on a fake that is gone) in every later test.
+            from crewai_idempotent.reconciliation import unregister
+
+            unregister("pay_invoice")
     if "verify_transfer" in ns:  # the first answer comes back; nothing is done twice
         from tests.idempotent_http import IdempotentAPI
 
