@@ -52,6 +52,18 @@ def check_seconds(name: str, value: object, *, positive: bool = False) -> None:
         raise ValueError(f"{name} must be {bound} seconds, not {value!r}")
 
 
+def readable_seconds(seconds: float) -> str:
+    """A duration as a person reads it in an alert: 45 s, 12 min, 3 h 05 min, 2 d 4 h."""
+    s = max(int(seconds), 0) if math.isfinite(seconds) else 0
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    if s < 172800:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    return f"{s // 86400} d {s % 86400 // 3600} h"
+
+
 def check_durations(wait_s: object, lease_s: object, ttl: object) -> None:
     """The guard's three durations. `ttl=None`: receipts that never expire; a `ttl` of 0
     would make every call run again, never replay."""

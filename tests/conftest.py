@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 
 # Offline and quiet before anything imports crewai.
 os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")
@@ -165,3 +167,31 @@ def _reconcilers_stay_in_their_test() -> Iterator[None]:
         _registry._registered.update(before[0])
         _registry._from_tools.clear()
         _registry._from_tools.update(before[1])
+
+
+_FAKETIME_LEFTOVER = re.compile(r"(?:sem\.faketime_sem|faketime_shm)_(\d+)")
+
+
+@pytest.fixture(autouse=True)
+def _faketime_leaves_nothing_for_a_reused_pid() -> Iterator[None]:
+    """The `faketime` command keeps a semaphore and a shared-memory segment in /dev/shm
+    named by its own pid, and removes them only when it ends normally: a worker killed
+    under it (the clock-step tests SIGKILL its process group) leaves them behind, and a
+    later `faketime` given the same pid fails with 'sem_open: File exists' (seen once a
+    long suite has wrapped the 32768 pids). A dead pid's leftovers go after each test."""
+    yield
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        found = _FAKETIME_LEFTOVER.fullmatch(name)
+        if found is None:
+            continue
+        try:
+            os.kill(int(found.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass  # alive under another user: not ours to judge

@@ -153,7 +153,8 @@ def test_the_core_and_the_gates_reach_only_the_outbox_s_write_side() -> None:
     graph = _module_imports()
     notifications = f"{PACKAGE}.notifications"
     allowed = {notifications, f"{notifications}._outbox", f"{notifications}._incidents"}
-    for start in ("_ledger", "_machine", "_gatestore", "_approvals", "_spend", "_gating"):
+    sweeper = ("reconciliation._sweeper", "reconciliation._alerts")  # its alerts write entries
+    for start in ("_ledger", "_machine", "_gatestore", "_approvals", "_spend", "_gating", *sweeper):
         found, todo = set(), [f"{PACKAGE}.{start}"]
         while todo:
             for imported in graph.get(todo.pop(), ()):
@@ -163,3 +164,4 @@ def test_the_core_and_the_gates_reach_only_the_outbox_s_write_side() -> None:
         reached = {m for m in found if m.startswith(notifications)}
         assert reached <= allowed, f"{start} reaches {sorted(reached - allowed)}"
     assert f"{notifications}._outbox" in graph[f"{PACKAGE}._machine"]  # the graph is read
+    assert f"{notifications}._outbox" in graph[f"{PACKAGE}.reconciliation._alerts"]

@@ -259,7 +259,7 @@ def _reconciliation_claims(ns: dict[str, Any]) -> None:
             assert ask(ns["verify_payment"], "pay:inv_1", {}) == Found(receipt)
             assert [c["id"] for c in fake.charged("pay:inv_1")] == [receipt]
         finally:
-            fake.close()
+            fake.close()  # the tool it built is forgotten after the test (conftest.py)
     if "verify_transfer" in ns:  # the first answer comes back; nothing is done twice
         from tests.idempotent_http import IdempotentAPI
 

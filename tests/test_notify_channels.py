@@ -147,8 +147,12 @@ def test_every_entry_type_renders_within_the_limits() -> None:
         "spend.threshold": {"cap": long, "currency": "KWD", "limit": 1000, "committed": 800,
                             "reserved": 100, "share": 0.8, "key": long},
         "ledger.unavailable": {"host": long, "count": 3, "first_at": 1.0, "last_at": 2.0,
-                               "error": long},
+                               "error": long, "alert": long},
         "alert.stale": {"title": long, "text": long, "fields": {f"f{i}": long for i in range(30)}},
+        "alert.uncertain_too_long": {"title": long, "text": long,
+                                     "fields": {"key": long, "tool": long, "age_s": 1e12,
+                                                "unknowns": 7, "reason": long}},
+        "alert.verifier_unknown": {"title": long, "text": long, "fields": {"tool": long}},
     }  # fmt: skip
     from crewai_idempotent.notifications import put
 

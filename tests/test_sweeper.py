@@ -6,11 +6,17 @@ are read back through the store."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import re
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -22,12 +28,16 @@ from crewai_idempotent import (
     LedgerUnavailable,
     OutcomeUncertain,
     Record,
+    SQLiteCacheBackend,
     Status,
 )
+from crewai_idempotent._backend import url_of
+from crewai_idempotent.notifications import Dispatcher, Entry, Message, Outbox, _incidents
 from crewai_idempotent.reconciliation import Alert, Sweeper, _registry, register, unregister
 from crewai_idempotent.reconciliation._sweeper import unknown_answers
 from tests.clock import ClockedBackend, ManualClock
 from tests.faults.provider import Provider
+from tests.notify_support import Receiver
 from tests.reconcile_support import ASKED_ENV, asked, stale_claim, uncertain, wait_for
 
 
@@ -589,6 +599,228 @@ def test_a_ledger_the_sweeper_cannot_read_is_an_alert_and_the_watch_goes_on(
     backend.down = True
     sweeper.sweep()  # a new outage is said again
     assert [a.kind for a in collected.alerts] == ["ledger_unreachable"] * 2
+
+
+class _Named(ClockedBackend):
+    """A moved clock that still names its store's URL, as the alerts and entries show it."""
+
+    @property
+    def url(self) -> str:
+        return url_of(self.backend)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    started = Receiver().start()
+    yield started
+    started.stop()
+
+
+def _alert_entries(backend: CacheBackend) -> list[Entry]:
+    return [e for e in Outbox(backend).entries() if e.type.startswith("alert.")]
+
+
+def test_an_old_record_a_reconciler_keeps_calling_unknown_is_one_outbox_entry_per_condition(
+    backend: CacheBackend,
+    backend_url: str,
+    sweeper_of: Callable[..., Sweeper],
+    receiver: Receiver,
+) -> None:
+    clock = ManualClock()
+    moved = _Named(backend, clock)
+    ledger = Ledger(moved, clock=clock)
+    uncertain(ledger, "pay:late", {"answer": "unknown"}, tool="charge_card")
+    # Two sweepers with the default channels (the log, OpenTelemetry, the outbox), saying
+    # every condition on every pass (alert_every_s=0): only the outbox keeps them to one.
+    options: dict[str, Any] = {"backoff_s": 0, "alert_after_s": 3600, "alert_unknowns": 2}
+    first, second = (
+        sweeper_of(ledger, channels=None, alert_every_s=0, **options) for _ in range(2)
+    )
+    assert [(r.outcome, r.tool) for r in first.sweep().results] == [("unknown", "charge_card")]
+    assert _alert_entries(moved) == []  # young, and one Unknown: nothing for a person yet
+    clock.advance(2 * 3600)
+    said = [a.kind for sweeper in (first, second, first) for a in sweeper.sweep().alerts]
+    assert said == ["uncertain_too_long", "verifier_unknown"] * 3
+    entries = _alert_entries(moved)
+    assert sorted(e.type for e in entries) == ["alert.uncertain_too_long", "alert.verifier_unknown"]
+    aging = next(e for e in entries if e.type == "alert.uncertain_too_long")
+    fields = aging.data["fields"]
+    assert aging.subject == "pay:late" and aging.state == "due"
+    assert (fields["key"], fields["tool"], fields["status"]) == (
+        "pay:late",
+        "charge_card",
+        "UNCERTAIN",
+    )
+    assert fields["age_s"] >= 2 * 3600 and fields["alert_id"] == "uncertain_too_long:pay:late:1"
+    assert fields["unknowns"] == 2  # what the first pass that said it had seen
+    assert re.match(
+        r"UNCERTAIN for \d+ s \(threshold 3600 s\): the provider cannot", fields["reason"]
+    )
+    assert aging.data["title"].startswith("UNCERTAIN too long: charge_card for 2 h")
+    assert fields["ledger"] == url_of(backend)
+    password = urlsplit(backend_url).password
+    if password:  # a server's URL: its password never reaches an entry
+        assert password not in json.dumps(aging.data) and "***" in fields["ledger"]
+
+    # What a person reads: the sweeper's title, the facts by name, the commands.
+    from crewai_idempotent.notifications._slack import payload
+
+    message = Message.of(aging, moved)
+    facts = dict(message.facts())
+    assert (facts["Key"], facts["Tool"], facts["Status"]) == (
+        "pay:late",
+        "charge_card",
+        "UNCERTAIN",
+    )
+    assert facts["Open for"].startswith("2 h") and facts["Unknown answers"] == "2 in a row"
+    assert message.text == fields["reason"] and set(message.commands()) == {"show", "resolve"}
+    slack = payload(message)
+    assert slack["text"] == f"crewai-idempotent: Open too long: a person must check ({aging.id})"
+    assert slack["blocks"][0]["text"]["text"] == aging.data["title"]
+
+    # A dispatcher delivers each once, signed; a receiver verifies with the library.
+    done = Dispatcher(moved, [receiver.webhook()]).run_once()
+    assert done.failed == 0
+    got = {
+        r["json"]["type"]: r for r in receiver.received if r["json"]["type"].startswith("alert.")
+    }
+    assert sorted(got) == ["alert.uncertain_too_long", "alert.verifier_unknown"]
+    assert all(r["verified"] is True for r in got.values()), [r["error"] for r in got.values()]
+    body = got["alert.verifier_unknown"]["json"]
+    assert body["id"] == next(e.id for e in entries if e.type == "alert.verifier_unknown")
+    assert body["subject"] == "pay:late" and "answering Unknown" in body["title"]
+    assert body["data"]["fields"]["unknowns"] >= 2
+    assert "resolve pay:late --happened|--absent" in body["commands"]["resolve"]
+    # Delivered: further passes write nothing new, and nothing is sent again.
+    first.sweep()
+    second.sweep()
+    assert len(_alert_entries(moved)) == 2
+    assert Dispatcher(moved, [receiver.webhook()]).run_once().sent == 0
+    assert len([r for r in receiver.received if r["json"]["type"].startswith("alert.")]) == 2
+
+
+def test_an_alert_entry_never_carries_the_ledger_s_password(
+    postgres_server: Any, sweeper_of: Callable[..., Sweeper]
+) -> None:
+    from crewai_idempotent import backend_from_url
+
+    url = postgres_server.fresh_url().replace("postgres@", "postgres:pw-s3cret-42@", 1)
+    backend = backend_from_url(url)
+    try:
+        ledger = Ledger(backend)
+        uncertain(ledger, "pw:1", {"answer": "unknown"})
+        sweeper_of(ledger, channels=None, alert_after_s=0).sweep()
+        (entry,) = _alert_entries(backend)
+        assert "pw-s3cret-42" not in json.dumps(entry.data)
+        assert entry.data["fields"]["ledger"].startswith("postgresql://postgres:***@")
+    finally:
+        backend.close()
+
+
+def test_on_the_loop_alerts_are_sent_off_it_and_reach_the_outbox(
+    sweeper_of: Callable[..., Sweeper],
+) -> None:
+    from crewai_idempotent.reconciliation import OutboxAlerts
+
+    backend = InMemoryCacheBackend()
+    ledger = Ledger(backend)
+    uncertain(ledger, "aw:old", {"answer": "unknown"})
+    threads: list[int] = []
+
+    class Where:
+        def send(self, alert: Alert) -> None:
+            threads.append(threading.get_ident())
+
+    sweeper = sweeper_of(ledger, alert_after_s=0, channels=[Where(), OutboxAlerts(backend)])
+
+    async def run() -> tuple[int, Any]:
+        return threading.get_ident(), await sweeper.asweep()
+
+    loop_thread, report = asyncio.run(run())
+    assert [a.kind for a in report.alerts] == ["uncertain_too_long"]
+    assert threads and loop_thread not in threads  # a store write never holds up the loop
+    assert [e.type for e in _alert_entries(backend)] == ["alert.uncertain_too_long"]
+
+
+def test_a_ledger_the_sweepers_cannot_read_is_one_entry_once_it_answers(
+    backend: CacheBackend,
+    sweeper_of: Callable[..., Sweeper],
+    receiver: Receiver,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.test_ledger_errors import _Outage
+
+    spool = tmp_path / "spool"
+    monkeypatch.setenv(_incidents.SPOOL_ENV, str(spool))
+    store = _Outage(backend)
+    ledger = Ledger(store)
+    uncertain(ledger, "back:1")
+    first, second = (sweeper_of(ledger, channels=None) for _ in range(2))
+    store.down = True
+    reports = [sweeper.sweep() for sweeper in (first, second, first)]
+    assert all(r.error is not None and "down" in r.error for r in reports)
+    assert [len(r.alerts) for r in reports] == [1, 1, 0]  # each sweeper said it once
+    # The outbox cannot hold it yet: the ledger's incident on this host does, alert and all
+    # (a sweeper that dies now leaves it to the next dispatcher on the host).
+    (spooled,) = spool.glob("*/*.json")
+    kept = json.loads(spooled.read_text())
+    assert kept["alert_id"] == f"ledger_unreachable:{url_of(store)}"
+    assert kept["alert"].startswith("the sweeper cannot read the ledger")
+
+    store.down = False
+    assert first.sweep().counts()["found"] == 1
+
+    def said() -> list[Entry]:
+        return [e for e in Outbox(store).entries() if e.type == "ledger.unavailable"]
+
+    wait_for(said, "the outage was never put in the outbox")
+    second.sweep()
+    (entry,) = said()
+    assert entry.data["alert_id"] == f"ledger_unreachable:{url_of(store)}"
+    assert entry.data["alert"].startswith("the sweeper cannot read the ledger")
+    assert entry.data["count"] >= 3 and entry.data["ledger"] == url_of(store)
+    wait_for(lambda: not list(spool.glob("*/*.json")), "the spool file stayed")
+
+    Dispatcher(store, [receiver.webhook()]).run_once()
+    got = [r for r in receiver.received if r["json"]["type"] == "ledger.unavailable"]
+    assert [(r["id"], r["verified"]) for r in got] == [(entry.id, True)]
+    assert got[0]["json"]["data"]["alert"] == entry.data["alert"]
+
+
+def test_a_sweeper_that_died_in_an_outage_is_said_by_the_next_dispatcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, receiver: Receiver
+) -> None:
+    spool = tmp_path / "spool"
+    monkeypatch.setenv(_incidents.SPOOL_ENV, str(spool))
+    path = tmp_path / "ledger.db"
+    backend = SQLiteCacheBackend(path)
+    script = (
+        "import os, sys\n"
+        "from crewai_idempotent import SQLiteCacheBackend\n"
+        "from crewai_idempotent.reconciliation import Sweeper\n"
+        "from tests.test_ledger_errors import _Outage\n"
+        "store = _Outage(SQLiteCacheBackend(sys.argv[1]))\n"
+        "store.down = True\n"
+        "report = Sweeper(store, entry_points=False).sweep()\n"
+        "assert report.error is not None and len(report.alerts) == 1, report\n"
+        "os._exit(0)  # gone before the ledger answered\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, timeout=120)
+    assert done.returncode == 0
+    assert len(list(spool.glob("*/*.json"))) == 1
+    Dispatcher(backend, [receiver.webhook()]).run_once()
+    (got,) = receiver.received
+    assert got["verified"] is True and got["json"]["type"] == "ledger.unavailable"
+    data = got["json"]["data"]
+    assert data["alert_id"] == f"ledger_unreachable:{url_of(backend)}"
+    assert (
+        data["alert"].startswith("the sweeper cannot read the ledger")
+        and data["process"] != os.getpid()
+    )
+    assert not list(spool.glob("*/*.json"))
+    assert [e.type for e in Outbox(backend).entries()] == ["ledger.unavailable"]
 
 
 def test_alerts_and_outcomes_reach_opentelemetry_and_the_open_uncertain_gauge(

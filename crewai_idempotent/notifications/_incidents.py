@@ -9,7 +9,9 @@ the first time one answers, the incident goes into its outbox as one
 "ledger.unavailable" entry (its id fixed by the incident's, so a retry or another
 process writes it once) and its spool file goes. A spool file left by a process that died
 meanwhile is put in the outbox by the next process on this host that clears an incident
-for that ledger, or that dispatches its outbox.
+for that ledger, or that dispatches its outbox. A sweeper that cannot read the ledger
+adds its alert to the incident (`alerted`), so its `ledger_unreachable` comes this same
+way, in the same entry, rather than through a second spool.
 
 So an outage is said once it is over, from every process that met it, which is when the
 ledger can hold the saying; while it lasts, the log (every failed call is logged as it
@@ -61,11 +63,7 @@ def _note(backend: CacheBackend, error: BaseException) -> None:
     with _lock:
         incident = _open.get(backend)
         if incident is None:
-            incident = _open[backend] = {
-                "id": secrets.token_hex(8), "ledger": url_of(backend),
-                "host": socket.gethostname(), "pid": os.getpid(), "first_at": now,
-                "last_at": now, "count": 0, "error": text, "spooled_at": 0.0,
-            }  # fmt: skip
+            incident = _open[backend] = _opened(backend, now, text)
         incident["count"] += 1
         incident["last_at"], incident["error"] = now, text
         spool = now - incident["spooled_at"] >= _SPOOL_EVERY_S
@@ -75,6 +73,48 @@ def _note(backend: CacheBackend, error: BaseException) -> None:
         _ensure_watcher()
     if spool:
         _spool(snapshot)
+
+
+def alerted(backend: CacheBackend, alert_id: str, reason: str) -> None:
+    """A sweeper could not read the ledger behind `backend` and said so (`alert_id`,
+    `reason`): its open incident carries the alert into the `ledger.unavailable` entry,
+    spooled with it. The failed read usually opened the incident; an error the ledger
+    does not count as an outage (another IdempotencyError) opens one here, which the
+    watcher puts in the outbox as soon as the ledger answers its probe. Never raises: a
+    sweep goes on whatever its alarms do."""
+    try:
+        now = time.time()
+        text = " ".join(reason.split())[:500]
+        with _lock:
+            incident = _open.get(backend)
+            if incident is None:
+                incident = _open[backend] = _opened(backend, now, text)
+                incident["count"] = 1
+            if incident.get("alert_id") == alert_id:
+                return  # said already: nothing new to spool
+            incident["alert_id"], incident["alert"] = alert_id, text
+            snapshot = dict(incident)
+            _ensure_watcher()
+        _spool(snapshot)
+    except Exception:
+        log.debug("could not record a sweeper's alert", exc_info=True)
+
+
+def answered(backend: CacheBackend) -> None:
+    """Something read the ledger behind `backend` again: the watcher looks at its open
+    incident now, on its own thread, instead of at its next probe."""
+    with _lock:
+        waiting = backend in _open
+    if waiting:
+        _wake.set()
+
+
+def _opened(backend: CacheBackend, now: float, text: str) -> dict[str, Any]:
+    return {
+        "id": secrets.token_hex(8), "ledger": url_of(backend), "host": socket.gethostname(),
+        "pid": os.getpid(), "first_at": now, "last_at": now, "count": 0, "error": text,
+        "spooled_at": 0.0,
+    }  # fmt: skip
 
 
 def _spool_dir(ledger: str) -> Path | None:
@@ -154,6 +194,8 @@ def _put(backend: CacheBackend, incident: dict[str, Any]) -> None:
         "first_at": incident["first_at"], "last_at": incident["last_at"],
         "count": incident["count"], "error": incident["error"],
     }  # fmt: skip
+    if incident.get("alert_id"):  # a sweeper could not read the ledger, and said so
+        data["alert"], data["alert_id"] = incident.get("alert"), incident["alert_id"]
     put(backend, "ledger.unavailable", data, dedupe=f"{incident['host']}:{incident['id']}")
 
 

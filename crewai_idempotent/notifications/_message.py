@@ -15,6 +15,7 @@ from typing import Any
 
 from .._backend import CacheBackend, ledger_option, url_of
 from .._errors import command
+from .._policy import readable_seconds
 from .._spend import format_money
 from ._outbox import TYPES, Entry
 
@@ -28,7 +29,11 @@ _TITLES = {
     "spend.refused": "Refused by a spend cap",
     "spend.threshold": "Spend cap warning",
     "ledger.unavailable": "The ledger did not answer",
+    "alert.uncertain_too_long": "Open too long: a person must check",
+    "alert.verifier_unknown": "A reconciler keeps answering Unknown",
 }
+#: The sweeper's alerts (reconciliation/_alerts.py): their fields, shown under these labels.
+_SWEEPER_ALERTS = ("alert.uncertain_too_long", "alert.verifier_unknown")
 
 
 def shorten(text: str, limit: int) -> str:
@@ -87,6 +92,8 @@ class Message:
             return f"{head}: {data['tool']}"
         if self.type == "spend.refused" and data.get("tool"):
             return f"{head}: {data['tool']}"
+        if self.type in _SWEEPER_ALERTS and data.get("title"):
+            return str(data["title"])  # the sweeper's own, naming the tool and how long
         if head is None:
             return str(data.get("title") or TYPES.get(self.type) or self.type)
         return head
@@ -147,6 +154,15 @@ class Message:
             add("Until", stamp(float(d["last_at"])) if d.get("last_at") else None)
             add("Failed operations", d.get("count"))
             add("Last error", d.get("error"))
+            add("Alert", d.get("alert"))
+        elif t in _SWEEPER_ALERTS:
+            f = d.get("fields") or {}
+            add("Key", f.get("key") or self.subject)
+            add("Tool", f.get("tool"))
+            add("Status", f.get("status"))
+            add("Open for", _duration(f.get("age_s")))
+            if f.get("unknowns"):
+                add("Unknown answers", f"{f['unknowns']} in a row")
         else:  # an alert of someone's own
             add("About", self.subject)
             for name, value in (d.get("fields") or {}).items():
@@ -176,7 +192,7 @@ class Message:
             }
         if self.type.startswith("approval."):
             return {"show": command(ledger, "approvals", "show", str(d.get("id")))}
-        if self.type == "record.uncertain" and self.subject:
+        if self.type in ("record.uncertain", *_SWEEPER_ALERTS) and self.subject:
             key = _quoted(self.subject)
             return {
                 "show": command(ledger, "show", key),
@@ -219,6 +235,12 @@ def _against(window: Mapping[str, Any], currency: str) -> str:
         f"{format_money(committed, currency)} spent + {format_money(reserved, currency)} "
         f"reserved of {format_money(limit, currency)}"
     )
+
+
+def _duration(seconds: Any) -> str | None:
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        return None
+    return readable_seconds(seconds)
 
 
 def _quoted(key: str) -> str:

@@ -61,6 +61,8 @@ TYPES = {
     "spend.refused": "a spend cap refused a call",
     "spend.threshold": "a spend cap window passed its warning share of the limit",
     "ledger.unavailable": "the ledger did not answer a process for a while",
+    "alert.uncertain_too_long": "a sweeper found a record open for longer than its threshold",
+    "alert.verifier_unknown": "a sweeper's reconciler keeps answering Unknown for a record",
 }
 
 _TYPE = re.compile(r"^[a-z][a-z0-9_-]*(\.[a-z0-9_-]+)+$")

@@ -69,7 +69,7 @@ _OWN_LABELS = {
     "Request", "Tool", "Key", "Why", "Crew", "Task", "Kickoff", "Amount", "Decided by",
     "Reason given", "Grant until", "Status", "Flagged", "By", "Owner", "Cap", "Used",
     "Key that crossed it", "Host", "Process", "From", "Until", "Failed operations",
-    "Last error", "About", "Ledger",
+    "Last error", "About", "Ledger", "Alert", "Open for", "Unknown answers",
 }  # fmt: skip
 
 

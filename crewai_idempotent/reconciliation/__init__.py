@@ -24,7 +24,14 @@ from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .._reconcile import NamedReconciler, named, reconciling
-    from ._alerts import ALERT_KINDS, Alert, AlertChannel, LogAlerts, default_channels
+    from ._alerts import (
+        ALERT_KINDS,
+        Alert,
+        AlertChannel,
+        LogAlerts,
+        OutboxAlerts,
+        default_channels,
+    )
     from ._http import IdempotencyKeyVerifier
     from ._lookup import lookup, sql_lookup
     from ._registry import GROUP, reconciles, register, unregister
@@ -39,6 +46,7 @@ _WHERE = {
     "Alert": "._alerts",
     "AlertChannel": "._alerts",
     "LogAlerts": "._alerts",
+    "OutboxAlerts": "._alerts",
     "default_channels": "._alerts",
     "IdempotencyKeyVerifier": "._http",
     "lookup": "._lookup",
@@ -67,6 +75,7 @@ __all__ = [
     "LogAlerts",
     "NamedReconciler",
     "OUTCOMES",
+    "OutboxAlerts",
     "Progress",
     "Report",
     "Result",

@@ -12,10 +12,12 @@ An `Alert` carries what a channel needs to say it (the kind, the key, the record
 which ledger) and an `id` that stays the same for the same condition (kind, key, fencing
 token), so a receiver can drop the copies that several sweepers, or a repeat, send.
 
-A channel is anything with `send(alert)`. `default_channels()` is what a sweeper uses
-unless told otherwise: a log line (logger `crewai_idempotent.reconciliation`) and, with
-OpenTelemetry configured, the `idempotency.reconcile.alerts` counter. A channel that
-raises is logged and skipped; an alarm never stops a sweep.
+A channel is anything with `send(alert)`. `default_channels(backend)` is what a sweeper
+uses unless told otherwise: a log line (logger `crewai_idempotent.reconciliation`), with
+OpenTelemetry configured the `idempotency.reconcile.alerts` counter, and the outbox of
+the ledger it sweeps (`OutboxAlerts`), so its dispatchers take an alert to a person's
+webhook, Slack or apprise channels. A channel that raises is logged and skipped; an alarm
+never stops a sweep.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from .. import _otel
-from .._record import Record
+from .._backend import CacheBackend
+from .._policy import readable_seconds
+from .._record import Record, Status
+from ..notifications import _incidents, _outbox
 
 log = logging.getLogger("crewai_idempotent.reconciliation")
 
@@ -71,7 +76,8 @@ class Alert:
 
 
 class AlertChannel(Protocol):
-    """Where alerts go: `send` is called once per alert, from the sweeper's thread."""
+    """Where alerts go: `send` is called once per alert, from the sweeper's thread (an
+    async sweeper's: one of its ledger's threads, never the event loop)."""
 
     def send(self, alert: Alert) -> None: ...
 
@@ -92,10 +98,66 @@ class LogAlerts:
             counter.add(1, {"kind": alert.kind, "backend": _scheme(alert.ledger)})
 
 
-def default_channels() -> list[AlertChannel]:
+class OutboxAlerts:
+    """An alert as an entry in the outbox of the ledger `backend` holds, for its
+    dispatchers to deliver: `alert.uncertain_too_long` or `alert.verifier_unknown`, once
+    per alert `id` however many sweepers, or passes, raise it (the entry's dedupe key).
+
+    `ledger_unreachable` cannot be written to the ledger that does not answer: it joins
+    the ledger's open incident (`notifications._incidents`, which the failed read opened),
+    kept on this host and put in the outbox as one `ledger.unavailable` entry once the
+    ledger answers."""
+
+    def __init__(self, backend: CacheBackend) -> None:
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"OutboxAlerts({self.backend!r})"
+
+    def send(self, alert: Alert) -> None:
+        if alert.kind == "ledger_unreachable":
+            _incidents.alerted(self.backend, alert.id, alert.reason)
+            return
+        _outbox.alert(
+            self.backend,
+            f"alert.{alert.kind}",
+            _title(alert),
+            alert.reason,
+            subject=alert.key,
+            fields=entry_fields(alert),
+            dedupe=alert.id,
+        )
+
+
+def _title(alert: Alert) -> str:
+    what = alert.tool or alert.key
+    if alert.kind == "uncertain_too_long":
+        record = alert.record
+        stale = record is not None and record.status is Status.PENDING
+        head = "A stale claim nothing settled" if stale else "UNCERTAIN too long"
+        return f"{head}: {what} for {readable_seconds(alert.age_s or 0.0)}"
+    return f"Its reconciler keeps answering Unknown: {what} ({alert.unknowns} times in a row)"
+
+
+def entry_fields(alert: Alert) -> dict[str, Any]:
+    """What an outbox entry of `alert` carries: enough to act without opening the ledger."""
+    record = alert.record
+    return {
+        "alert": alert.kind, "alert_id": alert.id, "key": alert.key, "tool": alert.tool,
+        "status": record.status.value if record is not None else None,
+        "token": record.token if record is not None else None,
+        "age_s": round(alert.age_s, 1) if alert.age_s is not None else None,
+        "unknowns": alert.unknowns, "reason": alert.reason, "ledger": alert.ledger,
+    }  # fmt: skip
+
+
+def default_channels(backend: CacheBackend | None = None) -> list[AlertChannel]:
     """The channels a sweeper sends alerts to when it is given none: the log and
-    OpenTelemetry. (A notification outbox, where one is configured, joins here.)"""
-    return [LogAlerts()]
+    OpenTelemetry, and with `backend` (the sweeper's ledger) that ledger's outbox."""
+    channels: list[AlertChannel] = [LogAlerts()]
+    if backend is not None:
+        channels.append(OutboxAlerts(backend))
+    return channels
 
 
 def send_all(channels: Iterable[AlertChannel], alert: Alert) -> None:

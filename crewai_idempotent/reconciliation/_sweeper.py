@@ -42,6 +42,7 @@ from .._policy import check_seconds
 from .._record import Record, Status, _whoami
 from .._results import decode
 from .._steps import Swept, _Ask
+from ..notifications import _incidents
 from ._alerts import Alert, AlertChannel, count_swept, default_channels, report_open, send_all
 from ._registry import Finder, Reconciler, _Blocking, tool_of
 
@@ -118,12 +119,13 @@ class Sweeper:
     the import path a record names when it is under `imports` or `trust`
     (`_registry`). Each is asked for at most `timeout_s` (default: the ledger's
     `reconcile_timeout_s`, else 30 s); an Unknown answer is asked again after `backoff_s`,
-    doubling up to `max_backoff_s`. Alerts (`_alerts`) go to `channels` (default: the log
-    and OpenTelemetry): a record open for `alert_after_s`, a reconciler that answered
-    Unknown `alert_unknowns` times in a row, an unreachable ledger; the same condition is
-    said again after `alert_every_s`. `tools` and `keys` narrow a pass; `dry_run` asks
-    nothing and writes nothing, and says what it would ask. `concurrency`: how many
-    records one pass works on at once.
+    doubling up to `max_backoff_s`. Alerts (`_alerts`) go to `channels` (default: the log,
+    OpenTelemetry and the ledger's own notification outbox): a record open for
+    `alert_after_s`, a reconciler that answered Unknown `alert_unknowns` times in a row,
+    an unreachable ledger; the same condition is said again after `alert_every_s` (the
+    outbox keeps one entry per condition however often it is said). `tools` and `keys`
+    narrow a pass; `dry_run` asks nothing and writes nothing, and says what it would ask.
+    `concurrency`: how many records one pass works on at once.
     """
 
     def __init__(
@@ -170,7 +172,9 @@ class Sweeper:
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
         self.alert_after_s, self.alert_unknowns = float(alert_after_s), alert_unknowns
         self.alert_every_s = float(alert_every_s)
-        self.channels = list(default_channels() if channels is None else channels)
+        if channels is None:
+            channels = default_channels(self.ledger.backend)
+        self.channels = list(channels)
         self.concurrency = concurrency
         self.tools = None if tools is None else frozenset(tools)
         self.keys = None if keys is None else frozenset(keys)
@@ -219,24 +223,27 @@ class Sweeper:
             found = ledger.records(Status.UNCERTAIN) + ledger.records(Status.PENDING)
             candidates = self._candidates(found, ledger.backend.now())
         except IdempotencyError as exc:
-            return self._unreachable(report, exc)
+            self._send(self._unreachable(report, exc))
+            return report
         progress.started(len(candidates))
         by = self.by
         if self.concurrency == 1 or len(candidates) < 2:
             for record in candidates:
                 result = self._one(record, by)
-                self._record(report, progress, result, self._now())
+                self._send(self._record(report, progress, result, self._now()))
         else:
             with concurrent.futures.ThreadPoolExecutor(
                 self.concurrency, thread_name_prefix="crewai-idempotent-sweep"
             ) as pool:
                 futures = [pool.submit(self._one, record, by) for record in candidates]
                 for future in concurrent.futures.as_completed(futures):
-                    self._record(report, progress, future.result(), self._now())
+                    raised = self._record(report, progress, future.result(), self._now())
+                    self._send(raised)
         try:
             open_now = len(ledger.records(Status.UNCERTAIN))
         except IdempotencyError as exc:
-            return self._unreachable(report, exc)
+            self._send(self._unreachable(report, exc))
+            return report
         return self._finish(report, open_now)
 
     async def asweep(self, progress: Progress | None = None) -> Report:
@@ -251,7 +258,8 @@ class Sweeper:
             found += list(await ledger._adrive(ledger._scan(Status.PENDING), io))
             candidates = self._candidates(found, await self._anow())
         except IdempotencyError as exc:
-            return self._unreachable(report, exc)
+            await self._asend(self._unreachable(report, exc))
+            return report
         progress.started(len(candidates))
         by = self.by
         limit = asyncio.Semaphore(self.concurrency)
@@ -259,13 +267,14 @@ class Sweeper:
         async def one(record: Record) -> None:
             async with limit:
                 result = await self._aone(record, by)
-            self._record(report, progress, result, await self._anow())
+            await self._asend(self._record(report, progress, result, await self._anow()))
 
         await asyncio.gather(*(one(record) for record in candidates))
         try:
             open_now = len(await ledger._adrive(ledger._scan(Status.UNCERTAIN), io))
         except IdempotencyError as exc:
-            return self._unreachable(report, exc)
+            await self._asend(self._unreachable(report, exc))
+            return report
         return self._finish(report, open_now)
 
     def _now(self) -> float:
@@ -357,15 +366,21 @@ class Sweeper:
             swept.record if swept.record is not None else record,
         )  # fmt: skip
 
-    def _record(self, report: Report, progress: Progress, result: Result, now: float) -> None:
+    def _record(
+        self, report: Report, progress: Progress, result: Result, now: float
+    ) -> list[Alert]:
+        """Note `result` in the report; the alerts it raises, for the caller to send."""
         report.results.append(result)
+        raised = []
         if not self.dry_run:
             count_swept(result.outcome, result.tool, self.ledger.backend)
-            report.alerts.extend(self._alerts_for(result, now))
+            raised = self._alerts_for(result, now)
+            report.alerts.extend(raised)
         try:
             progress.done(result)
         except Exception:  # a progress display never stops a pass
             log.exception("the sweep's progress display failed")
+        return raised
 
     def _finish(self, report: Report, open_now: int) -> Report:
         report.open_uncertain = open_now
@@ -374,13 +389,14 @@ class Sweeper:
         report_open(self.ledger.backend, open_now)
         return report
 
-    def _unreachable(self, report: Report, exc: Exception) -> Report:
+    def _unreachable(self, report: Report, exc: Exception) -> list[Alert]:
         report.error = str(exc) or type(exc).__name__
         report.finished = time.time()
         alert = Alert("ledger_unreachable", f"the sweeper cannot read the ledger: {exc}", self.url)
-        if self._alert(alert.id, alert):
-            report.alerts.append(alert)
-        return report
+        if not self._due(alert.id):
+            return []
+        report.alerts.append(alert)
+        return [alert]
 
     # -- alerts --------------------------------------------------------------------------
 
@@ -412,26 +428,39 @@ class Sweeper:
                 self.url, record.key, record, result.tool, age, unknowns,
             )  # fmt: skip
             raised.append(alert)
-        return [alert for alert in raised if self._alert(alert.id, alert)]
+        return [alert for alert in raised if self._due(alert.id)]
 
-    def _alert(self, alert_id: str, alert: Alert) -> bool:
-        """Send `alert` unless the same condition was said less than `alert_every_s` ago."""
+    def _due(self, alert_id: str) -> bool:
+        """Whether to say the condition now: not if it was said less than `alert_every_s`
+        ago (by this sweeper; the outbox keeps one entry whoever says it)."""
         with self._alert_lock:
             now = time.monotonic()
             last = self._alerted.get(alert_id)
             if last is not None and now - last < self.alert_every_s:
                 return False
             self._alerted[alert_id] = now
-        send_all(self.channels, alert)
         return True
 
+    def _send(self, alerts: list[Alert]) -> None:
+        for alert in alerts:
+            send_all(self.channels, alert)
+
+    async def _asend(self, alerts: list[Alert]) -> None:
+        """`_send` on one of the ledger's threads: a channel may write to the store (the
+        outbox), which must not hold up the event loop."""
+        if alerts:
+            await asyncio.wrap_future(self.ledger._lanes.io().submit(self._send, alerts))
+
     def _reachable(self) -> None:
-        """The ledger answered: an outage alerted before is over (the next one is said)."""
+        """The ledger answered: an outage alerted before is over (the next one is said).
+        The incidents watcher is told to look now rather than at its next probe, from its
+        own thread: this runs on the event loop too."""
         unreachable = Alert("ledger_unreachable", "", self.url).id
         with self._alert_lock:
             was = self._alerted.pop(unreachable, None)
         if was is not None:
             log.warning("the sweeper reads %s again", self.url)
+            _incidents.answered(self.ledger.backend)
 
     # -- again and again ------------------------------------------------------------------
 
