@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ledger import BLOCK, Raw, _receipt, _records
 
 from crewai_idempotent import Ledger, SQLiteCacheBackend
-from crewai_idempotent._backend import CacheBackend
-from crewai_idempotent._record import Peek, Record, Status
-from crewai_idempotent.backends.sqlite import _GET, _INSERT, _REPLACE
+from crewai_idempotent.backends.sqlite._store import _GET, _INSERT, _REPLACE
+from crewai_idempotent.ledger._backend import CacheBackend
+from crewai_idempotent.ledger._record import Peek, Record, Status
 
 
 class NullStore(CacheBackend):

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from crewai_idempotent import FileLockCacheBackend, Ledger, SQLiteCacheBackend
-from crewai_idempotent._record import Event, Owner, Record, Status
-from crewai_idempotent.backends.sqlite import _GET, _INSERT, _REPLACE, _SCHEMA
+from crewai_idempotent.backends.sqlite._store import _GET, _INSERT, _REPLACE, _SCHEMA
+from crewai_idempotent.ledger._record import Event, Owner, Record, Status
 
 RECEIPT = "ch_3PxYz2LkdIwHu7ix0s1Q9aBc"
 THREADS = PROCESSES = 8

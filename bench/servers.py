@@ -65,8 +65,8 @@ class RawPostgres:
     def __init__(self, url: str, docs: tuple[str, str]) -> None:
         import psycopg
 
-        from crewai_idempotent.backends._postgres_schema import Statements
         from crewai_idempotent.backends.postgres import PostgresCacheBackend
+        from crewai_idempotent.backends.postgres._schema import Statements
 
         backend = PostgresCacheBackend.from_url(url)  # creates the table: same schema as ours
         backend.get("nothing")
@@ -103,8 +103,8 @@ class RawRedis:
     def __init__(self, url: str, docs: tuple[str, str]) -> None:
         import redis
 
-        from crewai_idempotent.backends._redis_scripts import CLAIM, REPLACE
         from crewai_idempotent.backends.redis import RedisCacheBackend
+        from crewai_idempotent.backends.redis._scripts import CLAIM, REPLACE
 
         backend = RedisCacheBackend.from_url(url)
         self.prefix = backend.prefix + "raw:"

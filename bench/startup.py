@@ -88,7 +88,7 @@ for _ in range(15):
             run(q="x")
         best[installed] = min(best[installed], (time.perf_counter() - start) / calls)
 assert guarded == {True: True, False: False}, guarded
-heavy = [m for m in ("crewai_idempotent.integration._guard", "crewai_idempotent._ledger")
+heavy = [m for m in ("crewai_idempotent.integration._guard", "crewai_idempotent.ledger._ledger")
          if m in sys.modules]
 print(best[True], best[False], ",".join(heavy) or "-")
 """

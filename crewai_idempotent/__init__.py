@@ -30,43 +30,43 @@ from ._lazy import lazy_attributes
 from .integration import install, uninstall
 
 if TYPE_CHECKING:
-    from ._approvals import ApprovalRequest, Approvals, ApprovalState
-    from ._backend import CacheBackend
-    from ._keys import fingerprint, validate_key
-    from ._ledger import Ledger
-    from ._reconcile import Absent, Found, Unknown
-    from ._record import Event, Owner, Record, Status
-    from ._spend import Money, SpendCap, SpendLedger
-    from ._steps import Outcome
     from .backends._url import backend_from_url
     from .backends.filelock import FileLockCacheBackend
     from .backends.memory import InMemoryCacheBackend
     from .backends.postgres import PostgresCacheBackend, PostgresDurabilityWarning
     from .backends.redis import RedisCacheBackend, RedisDurabilityWarning
     from .backends.sqlite import SQLiteCacheBackend
+    from .gates._approvals import ApprovalRequest, Approvals, ApprovalState
+    from .gates._spend import Money, SpendCap, SpendLedger
     from .integration import IdempotencyConfig, KeyContext, configure, idempotent
     from .integration._strict import IdempotentTool, idempotent_tool
+    from .ledger._backend import CacheBackend
+    from .ledger._keys import fingerprint, validate_key
+    from .ledger._ledger import Ledger
+    from .ledger._reconcile import Absent, Found, Unknown
+    from .ledger._record import Event, Owner, Record, Status
+    from .ledger._steps import Outcome
 
 # Where each name loaded on first use lives.
 _LAZY = {
-    "ApprovalRequest": "._approvals",
-    "ApprovalState": "._approvals",
-    "Approvals": "._approvals",
-    "CacheBackend": "._backend",
-    "fingerprint": "._keys",
-    "validate_key": "._keys",
-    "Ledger": "._ledger",
-    "Outcome": "._steps",
-    "Absent": "._reconcile",
-    "Found": "._reconcile",
-    "Unknown": "._reconcile",
-    "Event": "._record",
-    "Owner": "._record",
-    "Record": "._record",
-    "Status": "._record",
-    "Money": "._spend",
-    "SpendCap": "._spend",
-    "SpendLedger": "._spend",
+    "ApprovalRequest": ".gates._approvals",
+    "ApprovalState": ".gates._approvals",
+    "Approvals": ".gates._approvals",
+    "CacheBackend": ".ledger._backend",
+    "fingerprint": ".ledger._keys",
+    "validate_key": ".ledger._keys",
+    "Ledger": ".ledger._ledger",
+    "Outcome": ".ledger._steps",
+    "Absent": ".ledger._reconcile",
+    "Found": ".ledger._reconcile",
+    "Unknown": ".ledger._reconcile",
+    "Event": ".ledger._record",
+    "Owner": ".ledger._record",
+    "Record": ".ledger._record",
+    "Status": ".ledger._record",
+    "Money": ".gates._spend",
+    "SpendCap": ".gates._spend",
+    "SpendLedger": ".gates._spend",
     "backend_from_url": ".backends._url",
     "FileLockCacheBackend": ".backends.filelock",
     "InMemoryCacheBackend": ".backends.memory",

@@ -7,10 +7,10 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ._status import Status
+from .ledger._status import Status
 
 if TYPE_CHECKING:
-    from ._record import Record
+    from .ledger._record import Record
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
@@ -215,7 +215,7 @@ class SpendCapExceeded(IdempotencyError):
         self.limit = limit
         self.spent = spent
         self.reserved = reserved
-        from ._spend import format_money  # _spend raises this error: imported when it is made
+        from .gates._spend import format_money  # _spend raises this error: imported when it is made
 
         def money(minor: int) -> str:
             return format_money(minor, currency)

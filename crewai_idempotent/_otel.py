@@ -35,10 +35,10 @@ from ._errors import (
     OutcomeUncertain,
     SpendCapExceeded,
 )
-from ._record import Record, Status
+from .ledger._record import Record, Status
 
 if TYPE_CHECKING:
-    from ._ledger import Ledger
+    from .ledger._ledger import Ledger
 
 SCOPE = "crewai_idempotent"
 OUTCOMES = ("claim", "replay", "conflict", "uncertain", "approval")

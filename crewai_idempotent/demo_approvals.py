@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from .integration._demo_approvals import run_demo
-from .integration._scripted import command_line
+from .integration.offline._demo_approvals import run_demo
+from .integration.offline._scripted import command_line
 
 __all__ = ["main", "run_demo"]
 

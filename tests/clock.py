@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from crewai_idempotent import CacheBackend, Record, Status
-from crewai_idempotent._hostclock import HostClock
-from crewai_idempotent._record import Peek
+from crewai_idempotent.ledger._hostclock import HostClock
+from crewai_idempotent.ledger._record import Peek
 
 
 class ManualClock:

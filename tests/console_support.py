@@ -19,8 +19,8 @@ from typing import Any
 
 from crewai_idempotent import CacheBackend, Ledger
 from crewai_idempotent._errors import ApprovalRequired
-from crewai_idempotent._gating import Plan
-from crewai_idempotent._spend import Where
+from crewai_idempotent.gates._plan import Plan
+from crewai_idempotent.gates._spend import Where
 
 PASSWORD = "correct horse battery staple"
 REPO = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from crewai_idempotent import (
     Status,
     Unknown,
 )
-from crewai_idempotent._results import encode
+from crewai_idempotent.ledger._results import encode
 from crewai_idempotent.reconciliation import reconciles
 from tests.faults.provider import Provider
 

@@ -251,11 +251,11 @@ print(json.dumps(report))
 # What `import crewai` with the integration active must not load (issue 14: activation
 # adds under 10 ms): the ledger, stores, gates, tracing, and crewai's LiteAgent module.
 HEAVY = (
-    "crewai_idempotent._ledger",
-    "crewai_idempotent._approvals",
-    "crewai_idempotent._spend",
+    "crewai_idempotent.ledger._ledger",
+    "crewai_idempotent.gates._approvals",
+    "crewai_idempotent.gates._spend",
     "crewai_idempotent._otel",
-    "crewai_idempotent._record",
+    "crewai_idempotent.ledger._record",
     "crewai_idempotent.backends",
     "crewai_idempotent.integration._config",
     "crewai_idempotent.integration._guard",

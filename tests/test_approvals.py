@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 
 from crewai_idempotent import CacheBackend, Ledger, Status, backend_from_url
-from crewai_idempotent._approvals import (
+from crewai_idempotent._errors import (
+    ApprovalDenied,
+    ApprovalRequired,
+    IdempotencyKeyConflict,
+    OutcomeUncertain,
+    SpendCapExceeded,
+)
+from crewai_idempotent.gates._approvals import (
     ApprovalAlreadyDecided,
     ApprovalNotFound,
     Approvals,
@@ -28,16 +35,9 @@ from crewai_idempotent._approvals import (
     request_id,
     summarize,
 )
-from crewai_idempotent._errors import (
-    ApprovalDenied,
-    ApprovalRequired,
-    IdempotencyKeyConflict,
-    OutcomeUncertain,
-    SpendCapExceeded,
-)
-from crewai_idempotent._gating import Plan
-from crewai_idempotent._record import _whoami
-from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where
+from crewai_idempotent.gates._plan import Plan
+from crewai_idempotent.gates._spend import Money, SpendCap, SpendLedger, Where
+from crewai_idempotent.ledger._record import _whoami
 from crewai_idempotent.notifications import Outbox
 from tests.approver import approve_first_pending
 from tests.clock import ManualClock

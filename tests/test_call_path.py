@@ -28,13 +28,12 @@ from crewai_idempotent import (
     SpendCap,
     Status,
     _errors,
-    _keys,
-    _ledger,
     configure,
 )
-from crewai_idempotent._gating import Plan
-from crewai_idempotent._spend import Where
+from crewai_idempotent.gates._plan import Plan
+from crewai_idempotent.gates._spend import Where
 from crewai_idempotent.integration import _compat, _config, _gates, _guard, _keying
+from crewai_idempotent.ledger import _keys, _ledger
 from tests.clock import ManualClock
 from tests.faults.provider import Provider
 

@@ -355,7 +355,7 @@ def test_purge(url: str, populated: Ledger) -> None:
     assert populated.get("order-expired") is None and populated.get("order-committed")
 
     # The gates' state lives in the ledger as records: --all takes it too, and says so.
-    from crewai_idempotent import _gatestore
+    from crewai_idempotent.gates import _gatestore
 
     for key in ("approval/ap_" + "1" * 20, "spend/pay/day-EUR/2026-12-01", "spend/pay/total"):
         _gatestore.update(populated.backend, _gatestore.PREFIX + key, lambda doc, now: {"k": 1})
@@ -441,9 +441,9 @@ def test_demo_calls_run_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         console.print("demo ran")
         return 3
 
-    fake = types.ModuleType("crewai_idempotent.integration._demo")
+    fake = types.ModuleType("crewai_idempotent.integration.offline._demo")
     fake.run_demo = run_demo  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "crewai_idempotent.integration._demo", fake)
+    monkeypatch.setitem(sys.modules, "crewai_idempotent.integration.offline._demo", fake)
     target = str(tmp_path / "demo.db")
     env = {"CREWAI_IDEMPOTENCY_URL": "sqlite:///must/not/be/used.db"}
     result = cli(None, "demo", "--ledger-path", target, env=env)
@@ -458,7 +458,7 @@ def test_demo_calls_run_demo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 
 
 def test_demo_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "crewai_idempotent.integration._demo", None)
+    monkeypatch.setitem(sys.modules, "crewai_idempotent.integration.offline._demo", None)
     result = cli(None, "demo")
     assert result.exit_code == 1 and "the demo is not available" in result.stderr
 

@@ -32,7 +32,6 @@ from crewai_idempotent import (
     Status,
     backend_from_url,
 )
-from crewai_idempotent._approvals import Approvals, ApprovalState
 from crewai_idempotent.console import (
     Accounts,
     ConsoleSettings,
@@ -40,6 +39,7 @@ from crewai_idempotent.console import (
     create_app,
 )
 from crewai_idempotent.console._live import Watcher
+from crewai_idempotent.gates._approvals import Approvals, ApprovalState
 from tests.console_support import PASSWORD, ask, csrf_of, login
 
 BASE = "http://127.0.0.1"
@@ -479,8 +479,8 @@ def test_an_operator_purges_expired_receipts_only(
 
 
 def test_spend_shows_each_cap_and_window(backend: CacheBackend, client: TestClient) -> None:
-    from crewai_idempotent._gating import Plan
-    from crewai_idempotent._spend import Money, SpendCap
+    from crewai_idempotent.gates._plan import Plan
+    from crewai_idempotent.gates._spend import Money, SpendCap
 
     cap = SpendCap(100_000, "EUR", per="day")
     plan = Plan(tool="pay", fingerprint="fp", amount=Money(12_345, "EUR"), caps=[("pay", cap)])

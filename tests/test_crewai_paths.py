@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from crewai_idempotent.integration import _selftest
+from crewai_idempotent.integration.offline import _selftest
 from tests.crewai_support.fixtures import PYTHON, subprocess_env
 from tests.crewai_support.versions import CREWAI
 

@@ -236,7 +236,7 @@ def _claims(ns: dict[str, Any], effects: Effects) -> None:
 def _reconciliation_claims(ns: dict[str, Any]) -> None:
     """recovery.md's sweeper and verifiers, against the local servers the tests use."""
     from crewai_idempotent import Found
-    from crewai_idempotent._reconcile import ask
+    from crewai_idempotent.ledger._reconcile import ask
     from tests.reconcile_support import uncertain
 
     if "sweeper" in ns:  # the pass settles what find_charge can tell (nothing: Absent)

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from crewai_idempotent import fingerprint
-from crewai_idempotent._keys import _canonical, canonical_json
+from crewai_idempotent.ledger._keys import _canonical, canonical_json
 
 PAIRS = [
     (2**60, "1152921504606846976"),

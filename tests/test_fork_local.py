@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend, _fork
+from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend
+from crewai_idempotent.ledger import _fork
 from tests.conftest import backend_factory
 from tests.faults.provider import Provider
 from tests.fork_support import assert_sound, run_scenario

@@ -34,7 +34,7 @@ from crewai_idempotent import (
     OutcomeUncertain,
     backend_from_url,
 )
-from crewai_idempotent._record import Event, Owner, Record, Status
+from crewai_idempotent.ledger._record import Event, Owner, Record, Status
 from tests.blackhole import BlackHoleProxy
 from tests.faults.provider import Provider
 from tests.servers import (

@@ -26,12 +26,12 @@ from crewai_idempotent import (
     backend_from_url,
     idempotent,
 )
-from crewai_idempotent._record import _whoami
 from crewai_idempotent.cli import main as cli
 from crewai_idempotent.integration.approval_events import (
     ApprovalDecidedEvent,
     ApprovalRequestedEvent,
 )
+from crewai_idempotent.ledger._record import _whoami
 from tests.approver import approve_first_pending
 from tests.crewai_support.crews import payment_crew, scripted
 from tests.crewai_support.provider import FakeProvider

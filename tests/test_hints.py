@@ -26,9 +26,9 @@ from crewai_idempotent import (
     SQLiteCacheBackend,
     Status,
 )
-from crewai_idempotent._backend import ledger_option, mark_default, url_of
-from crewai_idempotent._ledger import current_claim
 from crewai_idempotent.cli import main as cli
+from crewai_idempotent.ledger._backend import ledger_option, mark_default, url_of
+from crewai_idempotent.ledger._ledger import current_claim
 
 pytest_plugins = ["tests.crewai_support.fixtures"]
 

@@ -32,8 +32,8 @@ from crewai_idempotent import (
     Record,
     Status,
 )
-from crewai_idempotent._approvals import ApprovalState
-from crewai_idempotent._hostclock import this_host
+from crewai_idempotent.gates._approvals import ApprovalState
+from crewai_idempotent.ledger._hostclock import this_host
 from tests.clock import ClockedBackend, FakeHostClock, ManualClock
 from tests.faults.provider import Provider
 

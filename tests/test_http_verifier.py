@@ -26,7 +26,7 @@ from crewai_idempotent import (
     Status,
     Unknown,
 )
-from crewai_idempotent._reconcile import ask
+from crewai_idempotent.ledger._reconcile import ask
 from crewai_idempotent.reconciliation import IdempotencyKeyVerifier, Sweeper
 from tests.idempotent_http import IdempotentAPI
 

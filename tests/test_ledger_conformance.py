@@ -34,7 +34,7 @@ from crewai_idempotent import (
     Unknown,
     fingerprint,
 )
-from crewai_idempotent._record import Event
+from crewai_idempotent.ledger._record import Event
 from tests.clock import ClockedBackend, ManualClock
 from tests.conftest import ALL_BACKENDS
 from tests.faults.provider import Provider as Effects

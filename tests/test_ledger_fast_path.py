@@ -20,7 +20,7 @@ from crewai_idempotent import (
     LedgerUnavailable,
     SQLiteCacheBackend,
 )
-from crewai_idempotent._record import Peek
+from crewai_idempotent.ledger._record import Peek
 
 
 def test_sqlite_replay_does_not_wait_for_the_write_lock(tmp_path: Path) -> None:

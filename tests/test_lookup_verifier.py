@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from crewai_idempotent import Absent, Event, Found, Owner, Record, Status, Unknown
-from crewai_idempotent._reconcile import ask
+from crewai_idempotent.ledger._reconcile import ask
 from crewai_idempotent.reconciliation import lookup, sql_lookup
 
 

@@ -21,10 +21,10 @@ from crewai_idempotent import (
     LedgerConfigurationError,
     OutcomeUnknown,
 )
-from crewai_idempotent._approvals import Approvals
 from crewai_idempotent._errors import ApprovalRequired
-from crewai_idempotent._gating import Plan
-from crewai_idempotent._spend import Where
+from crewai_idempotent.gates._approvals import Approvals
+from crewai_idempotent.gates._plan import Plan
+from crewai_idempotent.gates._spend import Where
 from crewai_idempotent.notifications import (
     Dispatcher,
     Outbox,

@@ -11,8 +11,8 @@ import pytest
 
 from crewai_idempotent import InMemoryCacheBackend, Ledger
 from crewai_idempotent._errors import ApprovalRequired
-from crewai_idempotent._gating import Plan
-from crewai_idempotent._spend import Money, SpendCap, Where
+from crewai_idempotent.gates._plan import Plan
+from crewai_idempotent.gates._spend import Money, SpendCap, Where
 from crewai_idempotent.notifications import (
     Dispatcher,
     Message,

@@ -20,10 +20,10 @@ from crewai_idempotent import (
     Record,
     Status,
 )
-from crewai_idempotent._approvals import Approvals
 from crewai_idempotent._errors import ApprovalRequired, SpendCapExceeded
-from crewai_idempotent._gating import Plan
-from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where
+from crewai_idempotent.gates._approvals import Approvals
+from crewai_idempotent.gates._plan import Plan
+from crewai_idempotent.gates._spend import Money, SpendCap, SpendLedger, Where
 from crewai_idempotent.notifications import Outbox, alert, put
 from crewai_idempotent.notifications._outbox import OUTBOX, confirmation, doc_of
 from tests.clock import ClockedBackend, ManualClock

@@ -12,7 +12,7 @@ import pytest
 from crewai.tools import tool
 
 from crewai_idempotent import Found, OutcomeUncertain, OutcomeUnknown, Status, configure
-from crewai_idempotent._results import encode
+from crewai_idempotent.ledger._results import encode
 from crewai_idempotent.reconciliation import Sweeper
 
 pytest_plugins = ["tests.crewai_support.fixtures"]

@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel
 
 from crewai_idempotent import Ledger, Record, SQLiteCacheBackend
-from crewai_idempotent._results import decode, encode
+from crewai_idempotent.ledger._results import decode, encode
 
 
 class Color(enum.Enum):

@@ -24,7 +24,7 @@ from crewai_idempotent import (
     Status,
     backend_from_url,
 )
-from crewai_idempotent.backends._redis_scripts import CLAIM, REPLACE
+from crewai_idempotent.backends.redis._scripts import CLAIM, REPLACE
 from tests.faults.matrix import CELLS, assert_batch_killed, assert_cell, runs_per_cell
 from tests.faults.provider import Provider
 from tests.servers import (

@@ -16,8 +16,15 @@ import pytest
 
 from crewai_idempotent import CacheBackend, Ledger, OutcomeUnknown, Status, backend_from_url
 from crewai_idempotent._errors import OutcomeUncertain, SpendCapExceeded
-from crewai_idempotent._gating import Plan
-from crewai_idempotent._spend import Money, SpendCap, SpendLedger, Where, format_money, windows
+from crewai_idempotent.gates._plan import Plan
+from crewai_idempotent.gates._spend import (
+    Money,
+    SpendCap,
+    SpendLedger,
+    Where,
+    format_money,
+    windows,
+)
 from tests.conftest import DURABLE_BACKENDS
 from tests.faults.provider import Provider
 from tests.forked_race import fork_together

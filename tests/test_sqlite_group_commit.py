@@ -1,5 +1,5 @@
 """Group commit: the synced writes of concurrent threads share one fsync, and nothing else
-changes (`crewai_idempotent/backends/_sqlite_group.py`, docs/backends.md "Durability").
+changes (`crewai_idempotent/backends/sqlite/_group.py`, docs/backends.md "Durability").
 
 Real threads on real files. To put writes in one batch for sure, the tests hold SQLite's
 write lock from another connection: the first caller then waits inside SQLite, alone, and
@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend, Status
-from crewai_idempotent._record import Event, Owner, Record
-from crewai_idempotent.backends import _sqlite_group
+from crewai_idempotent.backends.sqlite import _group as _sqlite_group
+from crewai_idempotent.ledger._record import Event, Owner, Record
 from tests.faults.provider import Provider
 from tests.unprivileged import in_child
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend, Status
-from crewai_idempotent._record import Record
+from crewai_idempotent.ledger._record import Record
 
 Operation = Callable[[SQLiteCacheBackend, Record], Any]
 

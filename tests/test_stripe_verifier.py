@@ -15,7 +15,7 @@ import pytest
 stripe = pytest.importorskip("stripe")
 
 from crewai_idempotent import Absent, Event, Found, Owner, Record, Status, Unknown  # noqa: E402
-from crewai_idempotent._reconcile import ask  # noqa: E402
+from crewai_idempotent.ledger._reconcile import ask  # noqa: E402
 from crewai_idempotent.reconciliation import StripeVerifier  # noqa: E402
 from tests.fake_stripe import API_KEY, FakeStripe  # noqa: E402
 

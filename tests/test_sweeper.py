@@ -31,7 +31,7 @@ from crewai_idempotent import (
     SQLiteCacheBackend,
     Status,
 )
-from crewai_idempotent._backend import url_of
+from crewai_idempotent.ledger._backend import url_of
 from crewai_idempotent.notifications import Dispatcher, Entry, Message, Outbox, _incidents
 from crewai_idempotent.reconciliation import Alert, Sweeper, _registry, register, unregister
 from crewai_idempotent.reconciliation._sweeper import unknown_answers

@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 
 from crewai_idempotent import CacheBackend, Ledger
-from crewai_idempotent._approvals import (
+from crewai_idempotent._errors import ApprovalDenied, ApprovalRequired
+from crewai_idempotent.gates._approvals import (
     ApprovalAlreadyDecided,
     ApprovalMovedOn,
     ApprovalNeedsAnother,
     Approvals,
     ApprovalState,
 )
-from crewai_idempotent._errors import ApprovalDenied, ApprovalRequired
-from crewai_idempotent._gating import Plan
-from crewai_idempotent._spend import Where
+from crewai_idempotent.gates._plan import Plan
+from crewai_idempotent.gates._spend import Where
 from tests.clock import ClockedBackend, ManualClock
 from tests.conftest import DURABLE_BACKENDS
 from tests.faults.provider import Provider

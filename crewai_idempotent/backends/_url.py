@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError
+from ..ledger._backend import CacheBackend
 from ._options import redact
 
 #: scheme -> (module in this package, class, the extra that installs its client library)

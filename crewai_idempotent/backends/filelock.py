@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
-from .. import _fork
-from .._backend import DOCUMENTS, CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
-from .._hostclock import this_host
-from .._record import Peek, Record, Status
+from ..ledger import _fork
+from ..ledger._backend import DOCUMENTS, CacheBackend
+from ..ledger._hostclock import this_host
+from ..ledger._record import Peek, Record, Status
 from ._options import configuration_errors, flag, local_options, with_options
 from ._paths import check_trusted, private_folder
 

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from typing import Self
 from urllib.parse import urlsplit
 
-from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError
-from .._hostclock import this_host
-from .._record import Peek, Record, Status
+from ..ledger._backend import CacheBackend
+from ..ledger._hostclock import this_host
+from ..ledger._record import Peek, Record, Status
 from ._options import local_options
 
 

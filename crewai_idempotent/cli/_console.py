@@ -21,9 +21,9 @@ from ._output import duration, ledger_errors, safe
 from ._where import Where
 
 if TYPE_CHECKING:
-    from .._backend import CacheBackend
     from ..console._app import Background
     from ..console._settings import ConsoleSettings
+    from ..ledger._backend import CacheBackend
 
 SLACK_SECRET_ENV = "CREWAI_IDEMPOTENT_SLACK_SIGNING_SECRET"
 _EXTRA = "pip install 'crewai-idempotent[console]'"

@@ -52,7 +52,7 @@ def _run(module: str, where: Where, ledger_path: str | None) -> None:
 @click.pass_obj
 def demo(where: Where, ledger_path: str | None) -> None:
     """Run an offline payment crew whose guardrail and agent retries replay the receipt."""
-    _run("crewai_idempotent.integration._demo", where, ledger_path)
+    _run("crewai_idempotent.integration.offline._demo", where, ledger_path)
 
 
 @click.command("demo-approvals")
@@ -64,4 +64,4 @@ def demo(where: Where, ledger_path: str | None) -> None:
 @click.pass_obj
 def demo_approvals(where: Where, ledger_path: str | None) -> None:
     """Run an offline crew whose large payment waits for approval and whose cap refuses one."""
-    _run("crewai_idempotent.integration._demo_approvals", where, ledger_path)
+    _run("crewai_idempotent.integration.offline._demo_approvals", where, ledger_path)

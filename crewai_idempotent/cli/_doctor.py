@@ -24,13 +24,13 @@ import click
 from _crewai_idempotent_autoload import autoload_enabled
 
 from .. import Status
-from .._backend import url_of
 from ..backends._url import local_path
 from ..integration import _verify, default_ledger_path
 from ..integration._compat import ALLOW_UNTESTED_ENV, untested_choice
 from ..integration._ledgers import describe_default
 from ..integration._patch import is_supported, is_tested, newest_tested, supported_range
-from ..integration._selftest import run_in_subprocess
+from ..integration.offline._selftest import run_in_subprocess
+from ..ledger._backend import url_of
 from ._output import ago, console, safe, stamp
 from ._where import Where
 

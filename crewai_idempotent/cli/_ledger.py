@@ -10,10 +10,10 @@ from typing import Any
 import click
 
 from .. import Ledger, LedgerUnavailable, Record, Status
-from .._approvals import KIND as APPROVALS
-from .._gatestore import PREFIX, is_document
-from .._results import describe, unrestorable
-from .._spend import KIND as SPEND
+from ..gates._approvals import KIND as APPROVALS
+from ..gates._gatestore import PREFIX, is_document
+from ..gates._spend import KIND as SPEND
+from ..ledger._results import describe, unrestorable
 from ..notifications._outbox import OUTBOX, is_entry
 from ._output import (
     ago,

@@ -221,7 +221,7 @@ def _line(result: Result) -> str:
     text = f"{what:<10} {result.key}"
     record = result.record
     if result.outcome == "found" and record is not None:
-        from .._results import describe
+        from ..ledger._results import describe
 
         text += f"  receipt {machine(describe(record.result)[1], None)}"
     elif result.reason and result.outcome not in ("absent",):

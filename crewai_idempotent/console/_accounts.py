@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _gatestore
-from .._backend import CacheBackend
+from ..gates import _gatestore
+from ..ledger._backend import CacheBackend
 
 KEY = f"{_gatestore.PREFIX}console/accounts"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}$")

@@ -35,16 +35,16 @@ from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .._approvals import (
+from .._errors import IdempotencyError, ResolutionRefused
+from ..gates._approvals import (
     ApprovalAlreadyDecided,
     ApprovalNotFound,
     Approvals,
     ApprovalState,
     _check_id,
 )
-from .._backend import CacheBackend, url_of
-from .._errors import IdempotencyError, ResolutionRefused
-from .._ledger import Ledger
+from ..ledger._backend import CacheBackend, url_of
+from ..ledger._ledger import Ledger
 from ..notifications._outbox import TYPES, Outbox
 from . import _slack, _views
 from ._accounts import Accounts, Role

@@ -18,7 +18,7 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from .._backend import CacheBackend
+from ..ledger._backend import CacheBackend
 from ._views import is_console_doc
 
 log = logging.getLogger("crewai_idempotent.console")

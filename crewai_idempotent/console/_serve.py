@@ -15,7 +15,7 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._backend import CacheBackend
+from ..ledger._backend import CacheBackend
 from ._app import Background, create_app
 from ._settings import ConsoleSettings
 

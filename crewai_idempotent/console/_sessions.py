@@ -21,9 +21,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _gatestore
-from .._backend import CacheBackend
-from .._record import Status
+from ..gates import _gatestore
+from ..ledger._backend import CacheBackend
+from ..ledger._record import Status
 
 PREFIX = f"{_gatestore.PREFIX}console/session/"
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{43}$")

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from .._approvals import DEFAULT_APPROVAL_TTL
+from ..gates._approvals import DEFAULT_APPROVAL_TTL
 from ._auth import networks
 
 AUTH_MODES = ("accounts", "proxy")

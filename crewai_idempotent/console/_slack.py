@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
-from .._approvals import ApprovalRequest
+from ..gates._approvals import ApprovalRequest
 
 WINDOW_S = 300.0
 APPROVE = "crewai_idempotent_approve"

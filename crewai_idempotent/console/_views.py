@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _gatestore
-from .._approvals import ApprovalRequest, Approvals, ApprovalState
-from .._ledger import Ledger
-from .._record import Record, Status
-from .._results import describe
-from .._spend import Budget, SpendLedger
+from ..gates import _gatestore
+from ..gates._approvals import ApprovalRequest, Approvals, ApprovalState
+from ..gates._spend import Budget, SpendLedger
+from ..ledger._ledger import Ledger
+from ..ledger._record import Record, Status
+from ..ledger._results import describe
 from ..notifications._outbox import Entry, Outbox
 from ._accounts import KEY as ACCOUNTS_KEY
 from ._sessions import PREFIX as SESSIONS

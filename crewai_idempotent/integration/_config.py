@@ -27,13 +27,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from .._backend import CacheBackend
 from .._errors import LedgerConfigurationError, LedgerUnavailable
-from .._keys import fingerprint as _fingerprint
-from .._ledger import Ledger
-from .._policy import StalePolicy, _Options, check_seconds
-from .._reconcile import named
-from .._spend import SpendCap
+from ..gates._spend import SpendCap
+from ..ledger._backend import CacheBackend
+from ..ledger._keys import fingerprint as _fingerprint
+from ..ledger._ledger import Ledger
+from ..ledger._policy import StalePolicy, _Options, check_seconds
+from ..ledger._reconcile import named
 from ._gates import GateRules, gate_rules
 from ._ledgers import (
     URL_ENV,
@@ -47,7 +47,7 @@ from ._ledgers import (
 )
 
 if TYPE_CHECKING:
-    from .._reconcile import Verdict
+    from ..ledger._reconcile import Verdict
 
 OnUncertain = Literal["raise", "report"]
 KeySpec = str | Callable[[dict[str, Any], Any], str]

@@ -16,7 +16,7 @@ Options (on `@tool(...)`, `BaseTool` fields, `idempotent(tool, ...)`; a crew or
 
 The options are checked where they are given (`_config`); `gate_rules` merges them once
 per tool, crew and `configure()`, and `GateRules.plan` decides at each call which gates
-apply, as a `_gating.Plan`: the stage the ledger drives between the claim and the body.
+apply, as a `_plan.Plan`: the stage the ledger drives between the claim and the body.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import _approvals, _gating
 from .._errors import ApprovalDenied, ApprovalRequired, SpendCapExceeded
-from .._spend import Money, SpendCap, Where
+from ..gates import _approvals, _plan
+from ..gates._spend import Money, SpendCap, Where
 from ._call import halting
 
 if TYPE_CHECKING:
@@ -47,9 +47,9 @@ class GateContext:
 
 @dataclass(frozen=True, slots=True)
 class Gates:
-    """The gates of one guarded call: what `_gating` checks, and how a wait is reported."""
+    """The gates of one guarded call: what `_plan` checks, and how a wait is reported."""
 
-    plan: _gating.Plan
+    plan: _plan.Plan
     on_approval: str
 
 
@@ -141,7 +141,7 @@ class GateRules:
         if not needs_approval and (amount is None or not caps):
             return None
         approvers = self._approvers(arguments, ctx) if needs_approval else 1
-        gated = _gating.Plan(
+        gated = _plan.Plan(
             tool=tool_name,
             fingerprint=fingerprint,
             amount=amount,

@@ -27,7 +27,6 @@ from crewai.events.event_bus import crewai_event_bus
 from crewai.utilities.crew.crew_context import get_crew_context
 
 from .. import _otel
-from .._backend import CacheBackend, ledger_option
 from .._errors import (
     IdempotencyKeyConflict,
     LedgerConfigurationError,
@@ -36,9 +35,10 @@ from .._errors import (
     OutcomeUncertain,
     OutcomeUnknown,
 )
-from .._keys import validate_key
-from .._record import Record, Status
-from .._steps import Outcome, Settled, Step
+from ..ledger._backend import CacheBackend, ledger_option
+from ..ledger._keys import validate_key
+from ..ledger._record import Record, Status
+from ..ledger._steps import Outcome, Settled, Step
 from . import _compat, _gates, approval_events
 from ._call import KEY_PARAMETER, Scope, config_of, crews, halting
 from ._call import scope as _scope

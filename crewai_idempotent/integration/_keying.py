@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import InvalidIdempotencyKey
-from .._keys import validate_key
+from ..ledger._keys import validate_key
 from ._call import KEY_PARAMETER
 
 _NO_DEFAULT: Any = inspect.Parameter.empty

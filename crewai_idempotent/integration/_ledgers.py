@@ -13,11 +13,11 @@ import threading
 import weakref
 from pathlib import Path
 
-from .._backend import CacheBackend, mark_default, url_of
 from .._errors import LedgerConfigurationError, LedgerUnavailable
-from .._ledger import Ledger
 from ..backends._options import redact
 from ..backends._url import backend_from_url
+from ..ledger._backend import CacheBackend, mark_default, url_of
+from ..ledger._ledger import Ledger
 from ._compat import db_storage_path
 
 log = logging.getLogger("crewai_idempotent")

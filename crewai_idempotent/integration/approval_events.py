@@ -23,7 +23,7 @@ from typing import Any, Literal
 from crewai.events.base_events import BaseEvent
 from crewai.events.event_bus import crewai_event_bus
 
-from .. import _approvals
+from ..gates import _approvals
 
 
 class ApprovalEvent(BaseEvent):

@@ -39,10 +39,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._backend import CacheBackend
-from .._hostclock import HostClock
-from .._record import Record, Status
-from .._results import encode
+from ..ledger._backend import CacheBackend
+from ..ledger._hostclock import HostClock
+from ..ledger._record import Record, Status
+from ..ledger._results import encode
 from . import _incidents, _telemetry
 from ._channels import Channel, DeliveryFailed, channels_from
 from ._message import Message
@@ -384,7 +384,7 @@ class Dispatcher:
         if watch:
             if watch["at"] > self.backend.now():
                 return
-            from .._approvals import Approvals
+            from ..gates._approvals import Approvals
 
             Approvals(self.backend).expire(watch["id"], watch["round"])
         final = {**doc, "claim": None, "watch": None}

@@ -33,7 +33,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from .._backend import CacheBackend, url_of
+from ..ledger._backend import CacheBackend, url_of
 
 log = logging.getLogger("crewai_idempotent")
 

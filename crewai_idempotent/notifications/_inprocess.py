@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Iterable
 
-from .._backend import CacheBackend
+from ..ledger._backend import CacheBackend
 from ._channels import Channel
 from ._dispatch import Dispatcher
 

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._backend import CacheBackend, ledger_option, url_of
 from .._errors import command
-from .._policy import readable_seconds
-from .._spend import format_money
+from ..gates._spend import format_money
+from ..ledger._backend import CacheBackend, ledger_option, url_of
+from ..ledger._policy import readable_seconds
 from ._outbox import TYPES, Entry
 
 _TITLES = {

@@ -36,10 +36,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._backend import DOCUMENTS, CacheBackend
 from .._errors import LedgerUnavailable
-from .._record import Record, Status
-from .._results import decode, encode
+from ..ledger._backend import DOCUMENTS, CacheBackend
+from ..ledger._record import Record, Status
+from ..ledger._results import decode, encode
 
 #: Entries not yet delivered to every channel.
 OUTBOX = DOCUMENTS + "outbox/"

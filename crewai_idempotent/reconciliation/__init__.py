@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from .._reconcile import NamedReconciler, named, reconciling
+    from ..ledger._reconcile import NamedReconciler, named, reconciling
     from ._alerts import (
         ALERT_KINDS,
         Alert,
@@ -39,9 +39,9 @@ if TYPE_CHECKING:
     from ._sweeper import OUTCOMES, Progress, Report, Result, Sweeper, Watching
 
 _WHERE = {
-    "NamedReconciler": ".._reconcile",
-    "named": ".._reconcile",
-    "reconciling": ".._reconcile",
+    "NamedReconciler": "..ledger._reconcile",
+    "named": "..ledger._reconcile",
+    "reconciling": "..ledger._reconcile",
     "ALERT_KINDS": "._alerts",
     "Alert": "._alerts",
     "AlertChannel": "._alerts",

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from .. import _otel
-from .._backend import CacheBackend
-from .._policy import readable_seconds
-from .._record import Record, Status
+from ..ledger._backend import CacheBackend
+from ..ledger._policy import readable_seconds
+from ..ledger._record import Record, Status
 from ..notifications import _incidents, _outbox
 
 log = logging.getLogger("crewai_idempotent.reconciliation")

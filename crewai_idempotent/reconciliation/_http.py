@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from .._reconcile import Absent, Found, Unknown, Verdict, reconciling
+from ..ledger._reconcile import Absent, Found, Unknown, Verdict, reconciling
 from ._lookup import claimed_at
 
 Built = Callable[[str, Any], Any]

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._reconcile import Absent, Found, Unknown, Verdict, reconciling
-from .._record import Record
+from ..ledger._reconcile import Absent, Found, Unknown, Verdict, reconciling
+from ..ledger._record import Record
 
 
 def claimed_at(record: Record | None) -> float | None:

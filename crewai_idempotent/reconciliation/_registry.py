@@ -26,8 +26,8 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .._reconcile import NamedReconciler, named
-from .._record import Record
+from ..ledger._reconcile import NamedReconciler, named
+from ..ledger._record import Record
 
 log = logging.getLogger("crewai_idempotent.reconciliation")
 

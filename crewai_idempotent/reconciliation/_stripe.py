@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import stripe
 
-from .._reconcile import Absent, Found, Unknown, Verdict, reconciling
+from ..ledger._reconcile import Absent, Found, Unknown, Verdict, reconciling
 from ._lookup import claimed_at
 
 Kind = Literal["payment_intent", "charge", "refund"]

@@ -35,13 +35,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._backend import CacheBackend, url_of
 from .._errors import IdempotencyError, LedgerUnavailable
-from .._ledger import Ledger
-from .._policy import check_seconds
-from .._record import Record, Status, _whoami
-from .._results import decode
-from .._steps import Swept, _Ask
+from ..ledger._backend import CacheBackend, url_of
+from ..ledger._ledger import Ledger
+from ..ledger._policy import check_seconds
+from ..ledger._record import Record, Status, _whoami
+from ..ledger._results import decode
+from ..ledger._steps import Swept, _Ask
 from ..notifications import _incidents
 from ._alerts import Alert, AlertChannel, count_swept, default_channels, report_open, send_all
 from ._registry import Finder, Reconciler, _Blocking, tool_of

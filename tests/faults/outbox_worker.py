@@ -40,11 +40,11 @@ from crewai_idempotent import (
     Status,
     backend_from_url,
 )
-from crewai_idempotent._approvals import Approvals, request_id
 from crewai_idempotent._errors import ApprovalRequired
-from crewai_idempotent._gating import Plan
-from crewai_idempotent._record import Event
-from crewai_idempotent._spend import Money, SpendCap, Where
+from crewai_idempotent.gates._approvals import Approvals, request_id
+from crewai_idempotent.gates._plan import Plan
+from crewai_idempotent.gates._spend import Money, SpendCap, Where
+from crewai_idempotent.ledger._record import Event
 
 SCENARIOS = ("requested", "approved", "uncertain", "stale", "resolved", "threshold")
 KEY = "pay:INV-7"
@@ -162,7 +162,7 @@ def happened(backend: CacheBackend, scenario: str) -> bool:
         return record.status is Status.UNCERTAIN
     if scenario == "resolved":
         return record.status is Status.COMMITTED
-    from crewai_idempotent._results import decode
+    from crewai_idempotent.ledger._results import decode
 
     return 0.5 in (decode(record.result).get("warned") or ())
 

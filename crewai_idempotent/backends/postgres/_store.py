@@ -53,20 +53,14 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "install them with: pip install 'crewai-idempotent[postgres]'"
     ) from exc
 
-from .. import _fork
-from .._backend import DOCUMENTS, CacheBackend, prefix_end
-from .._errors import LedgerUnavailable
-from .._record import Record, Status
-from ._clock import ServerClock
-from ._options import configuration_errors, flag, redact, split_server_options, with_options
-from ._postgres_deadline import GRACE_S, Budget, Connecting, watchdog
-from ._postgres_schema import (
-    DEFAULT_TABLE,
-    SCHEMA_VERSION,
-    Statements,
-    check_version,
-    migrate,
-)
+from ..._errors import LedgerUnavailable
+from ...ledger import _fork
+from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
+from ...ledger._record import Record, Status
+from .._clock import ServerClock
+from .._options import configuration_errors, flag, redact, split_server_options, with_options
+from ._deadline import GRACE_S, Budget, Connecting, watchdog
+from ._schema import DEFAULT_TABLE, SCHEMA_VERSION, Statements, check_version, migrate
 
 log = logging.getLogger("crewai_idempotent")
 

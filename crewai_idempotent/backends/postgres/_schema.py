@@ -13,8 +13,8 @@ import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .._backend import DOCUMENTS
-from .._errors import LedgerUnavailable
+from ..._errors import LedgerUnavailable
+from ...ledger._backend import DOCUMENTS
 
 if TYPE_CHECKING:
     import psycopg

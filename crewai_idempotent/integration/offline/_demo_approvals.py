@@ -20,11 +20,11 @@ from typing import Any
 
 from rich.markup import escape
 
-from .._approvals import Approvals
-from .._backend import ledger_option
-from .._errors import ApprovalRequired, LedgerConfigurationError, LedgerUnavailable, command
-from .._spend import Money, SpendCap, SpendLedger, format_money
-from . import install
+from ..._errors import ApprovalRequired, LedgerConfigurationError, LedgerUnavailable, command
+from ...gates._approvals import Approvals
+from ...gates._spend import Money, SpendCap, SpendLedger, format_money
+from ...ledger._backend import ledger_option
+from .. import install
 from ._scripted import Reply, demo_ledger, go_offline, narrator, say, scripted_model, tool_call
 
 THRESHOLD_CENTS = 500_00

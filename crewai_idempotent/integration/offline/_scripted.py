@@ -121,9 +121,9 @@ def demo_ledger(
     """The ledger a demo runs on, and how to say which it is: the URL given with --ledger,
     the SQLite file given, or else a throwaway one in a temporary folder that is deleted
     when the demo ends (a demo never writes into the user's real default ledger)."""
-    from ..backends._options import redact
-    from ..backends._url import backend_from_url
-    from ..backends.sqlite import SQLiteCacheBackend, sqlite_url
+    from ...backends._options import redact
+    from ...backends._url import backend_from_url
+    from ...backends.sqlite import SQLiteCacheBackend, sqlite_url
 
     if ledger_url is not None and ledger_path is not None:
         raise ValueError("give the demo's ledger as a URL or as a path, not both")

@@ -51,14 +51,14 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "install it with: pip install 'crewai-idempotent[redis]'"
     ) from exc
 
-from .. import _fork
-from .._backend import DOCUMENTS, CacheBackend, prefix_end
-from .._errors import LedgerUnavailable
-from .._record import Record, Status
-from ._clock import ServerClock
-from ._options import configuration_errors, flag, redact, split_server_options, with_options
-from ._redis_deadline import bounded, deadline
-from ._redis_scripts import CLAIM, DELETE, REPLACE
+from ..._errors import LedgerUnavailable
+from ...ledger import _fork
+from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
+from ...ledger._record import Record, Status
+from .._clock import ServerClock
+from .._options import configuration_errors, flag, redact, split_server_options, with_options
+from ._deadline import bounded, deadline
+from ._scripts import CLAIM, DELETE, REPLACE
 
 log = logging.getLogger("crewai_idempotent")
 

@@ -22,9 +22,9 @@ from typing import Any
 
 from rich.markup import escape
 
-from .._errors import LedgerConfigurationError, LedgerUnavailable
-from .._spend import format_money
-from . import IdempotencyConfig, install
+from ..._errors import LedgerConfigurationError, LedgerUnavailable
+from ...gates._spend import format_money
+from .. import IdempotencyConfig, install
 from ._scripted import (
     current_attempt,
     demo_ledger,
@@ -165,7 +165,7 @@ class _Demo:
     def kickoff(self, crew: Any) -> str:
         from crewai.events.event_bus import crewai_event_bus
 
-        from .events import IdempotencyClaimEvent, IdempotencyReplayEvent  # imports crewai
+        from ..events import IdempotencyClaimEvent, IdempotencyReplayEvent  # imports crewai
 
         with crewai_event_bus.scoped_handlers():
 

@@ -23,14 +23,15 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
-from ._backend import CacheBackend, ledger_option, url_of
-from ._errors import (
+from .._errors import (
     BodyFailed,
     IdempotencyError,
     LedgerUnavailable,
     OutcomeUncertain,
     classify_failure,
 )
+from ..notifications import _incidents
+from ._backend import CacheBackend, ledger_option, url_of
 from ._keys import validate_key
 from ._leases import _Claim, _LeaseKeeper
 from ._machine import _Machine
@@ -49,7 +50,6 @@ from ._reconcile import aask, ask, named, path_of
 from ._record import Record, Status, _whoami
 from ._rooms import _Lanes, _Rooms
 from ._steps import _MISSING, Outcome, Settled, Stage, Step, _Ask, _Call, _Park, _Sleep
-from .notifications import _incidents
 
 # Names other modules import from here: the guard's public face in one place.
 __all__ = [

@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._backend import DOCUMENTS
-from .._errors import OutcomeUncertain, OutcomeUnknown
-from ..backends.sqlite import SQLiteCacheBackend
-from ..notifications._outbox import OUTBOX
-from . import URL_ENV, configure, install
-from ._compat import ALLOW_UNTESTED_ENV
+from ..._errors import OutcomeUncertain, OutcomeUnknown
+from ...backends.sqlite import SQLiteCacheBackend
+from ...ledger._backend import DOCUMENTS
+from ...notifications._outbox import OUTBOX
+from .. import URL_ENV, configure, install
+from .._compat import ALLOW_UNTESTED_ENV
 from ._scripted import OFFLINE as _OFFLINE
 from ._scripted import current_attempt, scripted_model, tool_call
 
@@ -287,7 +287,7 @@ def _run(check: Check, workdir: Path) -> str:
 def _replays_into(found: list[Any]) -> Iterator[None]:
     from crewai.events.event_bus import crewai_event_bus
 
-    from .events import IdempotencyReplayEvent  # imports crewai
+    from ..events import IdempotencyReplayEvent  # imports crewai
 
     def seen(source: Any, event: Any) -> None:
         found.append(event)
@@ -413,7 +413,7 @@ def run_in_subprocess(
     `subprocess.TimeoutExpired` if it runs past `timeout_s` (it is killed then)."""
     env = {**os.environ, **OFFLINE, ALLOW_UNTESTED_ENV: "1"}
     env.pop(URL_ENV, None)
-    command = [sys.executable, "-m", "crewai_idempotent.integration._selftest"]
+    command = [sys.executable, "-m", "crewai_idempotent.integration.offline._selftest"]
     version = "unknown"
     results: list[dict[str, Any]] = []
     with (

@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
-from .. import _fork
-from .._backend import CacheBackend, prefix_end
-from .._errors import LedgerConfigurationError, LedgerUnavailable
-from .._fork import unforked
-from .._hostclock import this_host
-from .._record import Peek, Record, Status
-from ._options import flag, local_options, seconds, with_options
-from ._paths import check_existing_file, private_file
-from ._sqlite_fork import Gate, refusal_message, taint, tainted
-from ._sqlite_group import Group
+from ..._errors import LedgerConfigurationError, LedgerUnavailable
+from ...ledger import _fork
+from ...ledger._backend import CacheBackend, prefix_end
+from ...ledger._fork import unforked
+from ...ledger._hostclock import this_host
+from ...ledger._record import Peek, Record, Status
+from .._options import flag, local_options, seconds, with_options
+from .._paths import check_existing_file, private_file
+from ._fork import Gate, refusal_message, taint, tainted
+from ._group import Group
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import LedgerUnavailable
+from ..._errors import LedgerUnavailable
 
 # What SQLite or the file system raise for a write; anything else is a bug or an interrupt.
 _WRITE_ERRORS = (sqlite3.Error, OSError)

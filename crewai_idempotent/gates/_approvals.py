@@ -40,12 +40,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._errors import ApprovalDenied, ApprovalRequired, command
+from ..ledger._backend import CacheBackend, ledger_option, url_of
+from ..ledger._hostclock import HostClock
+from ..ledger._record import Record
+from ..notifications._outbox import Note
 from . import _gatestore
-from ._backend import CacheBackend, ledger_option, url_of
-from ._errors import ApprovalDenied, ApprovalRequired, command
-from ._hostclock import HostClock
-from ._record import Record
-from .notifications._outbox import Note
 
 KIND = "approval/"
 DEFAULT_APPROVAL_TTL = 24 * 3600.0

@@ -30,11 +30,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from .._errors import SpendCapExceeded
+from ..ledger._backend import CacheBackend
+from ..ledger._record import Status
+from ..notifications._outbox import Note
 from . import _gatestore
-from ._backend import CacheBackend
-from ._errors import SpendCapExceeded
-from ._record import Status
-from .notifications._outbox import Note
 
 Per = Literal["kickoff", "crew", "task", "day", "total"]
 PERIODS: tuple[str, ...] = get_args(Per)

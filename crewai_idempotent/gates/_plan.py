@@ -26,13 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._errors import ApprovalRequired, SpendCapExceeded
+from ..ledger._backend import CacheBackend
+from ..ledger._record import Record, Status
+from ..ledger._steps import Settled, Step, _Call, _Sleep
+from ..notifications import _outbox
 from ._approvals import Approvals
-from ._backend import CacheBackend
-from ._errors import ApprovalRequired, SpendCapExceeded
-from ._record import Record, Status
 from ._spend import Money, SpendCap, SpendLedger, Where, Window, windows
-from ._steps import Settled, Step, _Call, _Sleep
-from .notifications import _outbox
 
 _POLL_FIRST_S = 0.25
 _POLL_MAX_S = 5.0

@@ -19,7 +19,7 @@ from typing import Any
 
 import rfc8785
 
-from ._errors import InvalidIdempotencyKey
+from .._errors import InvalidIdempotencyKey
 
 MAX_KEY_BYTES = 512
 _FORBIDDEN = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")

@@ -25,14 +25,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._backend import CacheBackend
-from ._errors import (
+from .._errors import (
     IdempotencyKeyConflict,
     LedgerUnavailable,
     OperationInProgress,
     OutcomeUncertain,
     ResolutionRefused,
 )
+from ..notifications import _outbox
+from ._backend import CacheBackend
 from ._hostclock import HostClock
 from ._leases import _Claim
 from ._policy import Listener, _Options
@@ -41,7 +42,6 @@ from ._record import Event, HostDeadline, Owner, Peek, Record, Status, _label, _
 from ._results import decode, encode
 from ._rooms import _UNKNOWN, _Room, _Rooms
 from ._steps import _MISSING, Outcome, Step, Swept, _Ask, _Call, _Park, _Sleep
-from .notifications import _outbox
 
 log = logging.getLogger("crewai_idempotent")
 

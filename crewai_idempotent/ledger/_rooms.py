@@ -15,8 +15,8 @@ import contextlib
 import threading
 from typing import Any
 
+from .._errors import LedgerUnavailable
 from . import _fork
-from ._errors import LedgerUnavailable
 from ._fork import LockedAcrossFork
 from ._policy import Clock
 from ._record import Record

@@ -10,7 +10,7 @@ already stored reports success, so a script sent again after a lost reply cannot
 landed write into a refusal.
 """
 
-from .._backend import DOCUMENTS
+from ...ledger._backend import DOCUMENTS
 
 # KEYS[1] the record; KEYS[2] the index of the new status; KEYS[3] the documents' index.
 # ARGV: key, status, token, revision, updated_at, doc, resent (1 when sent again after a lost

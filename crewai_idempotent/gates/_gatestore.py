@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._backend import CacheBackend
-from ._errors import LedgerUnavailable
-from ._record import Record, Status
-from ._results import decode, encode
-from .notifications import _outbox
+from .._errors import LedgerUnavailable
+from ..ledger._backend import CacheBackend
+from ..ledger._record import Record, Status
+from ..ledger._results import decode, encode
+from ..notifications import _outbox
 
 #: Every key this module writes starts with this; `crewai-idempotent ls` shows them too.
 PREFIX = "crewai-idempotent/"

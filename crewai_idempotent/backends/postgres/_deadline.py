@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from .. import _fork
+from ...ledger import _fork
 
 # How long past a statement's deadline the client waits before it cuts the connection:
 # long enough for the server's own statement_timeout (same length) to answer cleanly.

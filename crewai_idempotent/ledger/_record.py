@@ -13,7 +13,7 @@ from typing import Any
 
 import pydantic_core
 
-from ._errors import LedgerUnavailable
+from .._errors import LedgerUnavailable
 from ._hostclock import HostClock
 from ._results import decode
 from ._status import Status

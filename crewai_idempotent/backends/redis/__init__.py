@@ -1,0 +1,17 @@
+"""A ledger in Redis, for teams that already run it (the `redis` extra)."""
+
+from ._store import (
+    DEFAULT_PREFIX,
+    RedisCacheBackend,
+    RedisDurabilityWarning,
+    persistence_problem,
+    redis_py_options,
+)
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "RedisCacheBackend",
+    "RedisDurabilityWarning",
+    "persistence_problem",
+    "redis_py_options",
+]
