@@ -56,7 +56,7 @@ def test_the_module_map_is_the_tree() -> None:
 
 def test_the_map_parser_sees_nesting() -> None:
     # The check above is only as good as the parser: a nested module must come out whole.
-    assert f"{PACKAGE}/backends/sqlite.py" in mapped_paths()
+    assert f"{PACKAGE}/backends/sqlite/_store.py" in mapped_paths()
     assert f"{PACKAGE}/integration/__init__.py" in mapped_paths()
 
 
@@ -119,9 +119,9 @@ def test_no_module_imports_one_that_imports_it() -> None:
     graph = _module_imports()
     # The graph is read right: relative imports resolve to modules, a name imported from a
     # package resolves to its module.
-    assert f"{PACKAGE}._steps" in graph[f"{PACKAGE}.integration._guard"]
+    assert f"{PACKAGE}.ledger._steps" in graph[f"{PACKAGE}.integration._guard"]
     assert f"{PACKAGE}.integration._keying" in graph[f"{PACKAGE}.integration._guard"]
-    assert f"{PACKAGE}._machine" in graph[f"{PACKAGE}._ledger"]
+    assert f"{PACKAGE}.ledger._machine" in graph[f"{PACKAGE}.ledger._ledger"]
     assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _circle(graph) is None, f"import circle: {' -> '.join(_circle(graph) or [])}"
 
@@ -138,13 +138,13 @@ def test_the_ledger_drives_the_gates_without_importing_them() -> None:
                     todo.append(imported)
         return found
 
-    gates = {f"{PACKAGE}.{m}" for m in ("_gating", "_approvals", "_spend", "_gatestore")}
+    gates = {f"{PACKAGE}.gates.{m}" for m in ("_plan", "_approvals", "_spend", "_gatestore")}
     for core in ("_ledger", "_machine", "_steps", "_leases", "_rooms"):
-        reached = reaches(f"{PACKAGE}.{core}")
+        reached = reaches(f"{PACKAGE}.ledger.{core}")
         assert not reached & gates, f"{core} imports the gates: {sorted(reached & gates)}"
         assert not any(m.startswith(f"{PACKAGE}.integration") for m in reached), core
     for gate in gates:
-        assert f"{PACKAGE}._ledger" not in reaches(gate), f"{gate} imports the ledger"
+        assert f"{PACKAGE}.ledger._ledger" not in reaches(gate), f"{gate} imports the ledger"
 
 
 def test_the_core_and_the_gates_reach_only_the_outbox_s_write_side() -> None:
@@ -154,7 +154,9 @@ def test_the_core_and_the_gates_reach_only_the_outbox_s_write_side() -> None:
     notifications = f"{PACKAGE}.notifications"
     allowed = {notifications, f"{notifications}._outbox", f"{notifications}._incidents"}
     sweeper = ("reconciliation._sweeper", "reconciliation._alerts")  # its alerts write entries
-    for start in ("_ledger", "_machine", "_gatestore", "_approvals", "_spend", "_gating", *sweeper):
+    core = ("ledger._ledger", "ledger._machine")
+    gates = ("gates._gatestore", "gates._approvals", "gates._spend", "gates._plan")
+    for start in (*core, *gates, *sweeper):
         found, todo = set(), [f"{PACKAGE}.{start}"]
         while todo:
             for imported in graph.get(todo.pop(), ()):
@@ -163,5 +165,5 @@ def test_the_core_and_the_gates_reach_only_the_outbox_s_write_side() -> None:
                     todo.append(imported)
         reached = {m for m in found if m.startswith(notifications)}
         assert reached <= allowed, f"{start} reaches {sorted(reached - allowed)}"
-    assert f"{notifications}._outbox" in graph[f"{PACKAGE}._machine"]  # the graph is read
+    assert f"{notifications}._outbox" in graph[f"{PACKAGE}.ledger._machine"]  # the graph is read
     assert f"{notifications}._outbox" in graph[f"{PACKAGE}.reconciliation._alerts"]

@@ -174,6 +174,7 @@ def test_a_missing_client_library_names_the_extra_once(
     monkeypatch: pytest.MonkeyPatch, scheme: str, library: str, extra: str
 ) -> None:
     monkeypatch.delitem(sys.modules, f"crewai_idempotent.backends.{extra}", raising=False)
+    monkeypatch.delitem(sys.modules, f"crewai_idempotent.backends.{extra}._store", raising=False)
     monkeypatch.setitem(sys.modules, library, None)
     with pytest.raises(LedgerConfigurationError) as caught:
         backend_from_url(f"{scheme}://u:pw@localhost/0")
