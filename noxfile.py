@@ -1,8 +1,8 @@
 """The crewAI compatibility matrix: one session per crewAI release the package supports.
 
 Each session installs this project with one crewai release pinned, runs the crewai
-integration tests (tests/test_crewai_*.py, which include every path x retry source check
-of tests/test_crewai_paths.py) and the offline demo, twice (its throwaway ledger and a
+integration tests (tests/crewai/test_crewai_*.py, which include every path x retry source check
+of tests/crewai/test_crewai_paths.py) and the offline demo, twice (its throwaway ledger and a
 given file).
 
     nox -s crewai                       # the full matrix: every release, oldest first
@@ -54,7 +54,7 @@ nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = []  # nothing by default: name a session or a tag
 
-# Offline and quiet, as tests/crewai_support/fixtures.py sets them for subprocesses.
+# Offline and quiet, as tests/support/crewai/fixtures.py sets them for subprocesses.
 OFFLINE = {
     "CREWAI_DISABLE_TELEMETRY": "true",
     "CREWAI_DISABLE_TRACKING": "true",
@@ -86,7 +86,7 @@ def crewai(session: nox.Session, release: str) -> None:
 
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"crewai-{release}.demo").unlink(missing_ok=True)
-    tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_crewai_*.py"))
+    tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/crewai/test_crewai_*.py"))
     # No success codes beyond 0: "no tests collected" (5) is a broken matrix, not a pass.
     session.run(
         "python",

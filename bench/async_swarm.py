@@ -143,7 +143,7 @@ def main() -> int:
     ]
     servers: list[Any] = []
     if not args.local:
-        from tests.servers import start_postgres, start_redis
+        from tests.support.servers import start_postgres, start_redis
 
         pg, redis = start_postgres(), start_redis(appendonly=True, appendfsync="everysec")
         servers += [pg, redis]

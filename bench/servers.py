@@ -279,7 +279,7 @@ def _servers(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], list
         if args.redis_url:
             targets.append(("Redis (given)", "redis", args.redis_url))
         return targets, started
-    from tests.servers import start_postgres, start_redis
+    from tests.support.servers import start_postgres, start_redis
 
     pg = start_postgres(fsync=True)
     started.append(pg)

@@ -1,6 +1,6 @@
 """pytest plugin for patches/verify.sh: the ledger conformance suite on crewAI core's store.
 
-tests/test_ledger_conformance.py drives crewai-idempotent's Ledger through every
+tests/core/test_ledger_conformance.py drives crewai-idempotent's Ledger through every
 transition; here its backend is the patched crewAI's `SQLiteIdempotencyBackend`, seen
 through the plugin's `CacheBackend` interface. The two share one record document and one
 table, so each record crosses as its JSON: any drift in the document, the claim, the

@@ -36,11 +36,11 @@ from crewai_idempotent import (
 )
 
 if TYPE_CHECKING:
-    from tests.servers import PostgresServer, RedisServer
+    from tests.support.servers import PostgresServer, RedisServer
 
 # The session's throwaway servers (postgres_server, redis_server) are fixtures there; as a
 # plugin, its asserts are rewritten too.
-pytest_plugins = ["tests.servers"]
+pytest_plugins = ["tests.support.servers"]
 
 # Backends that persist across processes; the in-memory one joins only in-process tests.
 DURABLE_BACKENDS = ["sqlite", "sqlite-normal", "filelock", "postgres", "redis"]

@@ -28,7 +28,7 @@ DEFAULT_LEDGER_NAME = "crewai_idempotent.db"
 _LEDGER_ATTR = "_crewai_idempotent_ledger"
 
 _lock = threading.RLock()
-# Tests close and clear these between cases (tests/crewai_support/fixtures.py).
+# Tests close and clear these between cases (tests/support/crewai/fixtures.py).
 url_backends: dict[str, CacheBackend] = {}
 default_backends: dict[str, CacheBackend] = {}
 announced: set[tuple[str, int]] = set()

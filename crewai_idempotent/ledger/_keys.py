@@ -156,7 +156,7 @@ def fingerprint(args: Any) -> str:
 # as that integer (so it goes to the encoder as one), and a float with a fraction is
 # written as `repr` writes it while it is at least 1e-4 (`repr` turns to an exponent
 # below that, ECMAScript below 1e-6); anything else takes the slow path, which stays the
-# definition (tests/test_fingerprint_types.py proves the two equal over JSON values).
+# definition (tests/core/test_fingerprint_types.py proves the two equal over JSON values).
 
 
 def _encoder() -> Callable[[Any], str]:

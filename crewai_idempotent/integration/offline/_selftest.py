@@ -5,7 +5,7 @@ meets every retry source (a guardrail rejection, an agent retry, the model repea
 call, a second kickoff, an uncertain outcome), offline: a scripted model stands in for
 the LLM and a counter for the payment provider. A check passes when the provider was
 charged once per distinct invoice, the receipts are in the crew's ledger (not the process
-default), and an uncertain outcome stopped the kickoff. tests/test_crewai_paths.py runs
+default), and an uncertain outcome stopped the kickoff. tests/crewai/test_crewai_paths.py runs
 the same checks in the suite, on every release of the matrix.
 
 The doctor, and a release verifying itself (`_verify`), run them in a fresh interpreter

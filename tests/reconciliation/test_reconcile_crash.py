@@ -1,0 +1,130 @@
+"""A crewai worker SIGKILLed inside its Stripe tool, settled by a sweeper in another process.
+
+Per backend (SQLite, the file lock, PostgreSQL, Redis): one worker runs two crews whose
+tool charges through the real `stripe` client at the fake Stripe server, and is killed
+(SIGKILL, a real process) in both: one after the charge and before the commit, one
+before the charge. Once their leases lapse, `crewai-idempotent reconcile` in a process of
+its own, told only to import the module whose verifier the tool names by path, finds the
+first charge by its metadata and commits the real PaymentIntent id, and marks the second
+absent. A fresh crew run then replays the first and charges the second: one charge each,
+counted by the fake Stripe server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("stripe")
+
+from crewai_idempotent import Ledger, Status, backend_from_url
+from tests.support.crewai.fixtures import PYTHON, REPO, subprocess_env
+from tests.support.fake_stripe import FakeStripe
+from tests.support.reconcile import wait_for
+
+LEASE_S = 2.0
+STARTUP_TIMEOUT = 300  # importing crewai takes several seconds on a slow machine
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeStripe]:
+    server = FakeStripe()
+    yield server
+    server.close()
+
+
+def _env(url: str, fake: FakeStripe, tmp: Path) -> dict[str, str]:
+    return subprocess_env(
+        CREWAI_IDEMPOTENCY_URL=url, FAKE_STRIPE_URL=fake.url, XDG_DATA_HOME=str(tmp / "xdg")
+    )
+
+
+def _crews(runs: list[dict[str, Any]], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [PYTHON, "-m", "tests.support.crewai.run_stripe", json.dumps({"runs": runs})],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend_kind", ["sqlite", "filelock", "postgres", "redis"])
+def test_a_sweeper_in_another_process_settles_a_killed_workers_charges(
+    backend_kind: str, backend_url: str, fake: FakeStripe, tmp_path: Path
+) -> None:
+    env = _env(backend_url, fake, tmp_path)
+    run = {"amount": 500, "lease_s": LEASE_S}
+    paid, unpaid = f"inv-{backend_kind}-paid", f"inv-{backend_kind}-unpaid"
+    held = [
+        {**run, "invoice": paid, "when": "after", "hold": str(tmp_path / "held-paid")},
+        {**run, "invoice": unpaid, "when": "before", "hold": str(tmp_path / "held-unpaid")},
+    ]
+    worker = _crews(held, env)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not all(Path(r["hold"]).exists() for r in held):
+            assert worker.poll() is None, worker.stderr.read()[-3000:] if worker.stderr else ""
+            assert time.monotonic() < deadline, "the worker never reached its tool calls"
+            time.sleep(0.05)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(30)
+    assert worker.returncode == -signal.SIGKILL
+    intent = Path(held[0]["hold"]).read_text()
+    keys = {paid: f"pay:{paid}", unpaid: f"pay:{unpaid}"}
+    assert [c["id"] for c in fake.charged(keys[paid])] == [intent]
+    assert fake.charged(keys[unpaid]) == []
+
+    ledger = Ledger(backend_from_url(backend_url))
+    try:
+        for key in keys.values():
+            record = ledger.get(key)
+            assert record is not None and record.status is Status.PENDING
+            assert record.call is not None and record.call["tool"] == "pay_invoice"
+            assert record.call["reconciler"] == "tests.support.crewai.stripe_tools:verify_payment"
+        # The sweeper acts on lapsed leases only; a hang guard, not a measurement.
+        wait_for(
+            lambda: all(ledger.is_stale(ledger.get(k)) for k in keys.values()),  # type: ignore[arg-type]
+            "the dead worker's leases to lapse",
+        )
+        sweep = subprocess.run(
+            [
+                PYTHON, "-m", "crewai_idempotent.cli", "--ledger", backend_url, "reconcile",
+                "--import", "tests.support.crewai.stripe_tools", "--no-entry-points", "--json",
+            ],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=STARTUP_TIMEOUT,
+        )  # fmt: skip
+        assert sweep.returncode == 0, sweep.stderr
+        report = json.loads(sweep.stdout)
+        outcomes = {r["key"]: (r["outcome"], r["status"]) for r in report["results"]}
+        assert outcomes == {
+            keys[paid]: ("found", "COMMITTED"), keys[unpaid]: ("absent", "FAILED"),
+        }, report  # fmt: skip
+        committed = ledger.get(keys[paid])
+        assert committed is not None and committed.value() == intent  # the real charge id
+
+        rerun = _crews([{**run, "invoice": paid}, {**run, "invoice": unpaid}], env)
+        out, err = rerun.communicate(timeout=STARTUP_TIMEOUT)
+        assert rerun.returncode == 0, err[-3000:]
+        results = {r["invoice"]: r for r in map(json.loads, out.splitlines())}
+        assert results[paid].get("raw") == intent, results  # replayed, not charged again
+        assert results[unpaid].get("raw", "").startswith("pi_"), results
+        assert len(fake.charged(keys[paid])) == 1
+        assert [c["id"] for c in fake.charged(keys[unpaid])] == [results[unpaid]["raw"]]
+        histories = {k: [e.kind for e in ledger.get(k).history] for k in keys.values()}  # type: ignore[union-attr]
+        assert histories == {
+            keys[paid]: ["claim", "reconcile"],
+            keys[unpaid]: ["claim", "absent", "takeover", "commit"],
+        }
+    finally:
+        ledger.close()
