@@ -6,7 +6,7 @@
 #   2. `git apply --check`, then `git apply` the patch there,
 #   3. run the patch's tests against the patched source, offline, with the
 #      crewai-idempotent plugin switched off and checked to be absent,
-#   4. run this repository's ledger conformance suite (tests/test_ledger_conformance.py)
+#   4. run this repository's ledger conformance suite (tests/core/test_ledger_conformance.py)
 #      on the patched core's SQLite store (patches/conformance_core.py), so the patch and
 #      the package cannot drift apart.
 # Exits non-zero on any failure. Usage: patches/verify.sh [scratch-dir]
@@ -90,7 +90,7 @@ status=0
 CONFORMANCE_BACKENDS=crewai-core PYTHONPATH="$scratch/lib/crewai/src:$repo" "$python" -m pytest \
     -p patches.conformance_core -p no:cacheprovider -q \
     -W ignore::DeprecationWarning -W ignore::RuntimeWarning \
-    tests/test_ledger_conformance.py || status=$?
+    tests/core/test_ledger_conformance.py || status=$?
 if [[ $status -ne 0 ]]; then
     # 5 ("no tests collected") would mean the core's store was never exercised.
     echo "verify.sh: FAILED (conformance suite exit $status)" >&2
