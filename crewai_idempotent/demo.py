@@ -1,6 +1,6 @@
 """`python -m crewai_idempotent.demo [LEDGER_PATH]`: the offline payment demo that
 `crewai-idempotent demo` runs, without the CLI. The demo is the integration's
-(integration/_demo.py): this module is only its command line.
+(integration/offline/_demo.py): this module is only its command line.
 """
 
 from __future__ import annotations

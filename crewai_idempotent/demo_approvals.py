@@ -1,6 +1,6 @@
 """`python -m crewai_idempotent.demo_approvals [LEDGER_PATH]`: the offline approvals and
 spend-cap demo that `crewai-idempotent demo-approvals` runs, without the CLI. The demo is
-the integration's (integration/_demo_approvals.py): this module is only its command line.
+the integration's (integration/offline/_demo_approvals.py): this module is only its command line.
 """
 
 from __future__ import annotations

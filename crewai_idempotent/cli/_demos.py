@@ -1,5 +1,5 @@
 """`crewai-idempotent demo` and `crewai-idempotent demo-approvals`: the offline demos the
-integration runs (integration/_demo.py, integration/_demo_approvals.py).
+integration runs (integration/offline/_demo.py, integration/offline/_demo_approvals.py).
 
 Each runs on a throwaway ledger, deleted when it ends, unless asked for one: the group's
 `--ledger URL` given on the command line (never CREWAI_IDEMPOTENCY_URL: a demo must not

@@ -1,7 +1,7 @@
 """`crewai-idempotent doctor`: what an operator needs to know before trusting the ledger.
 
 Reads, never creates: a ledger that does not exist is reported, not made. `--self-test`
-runs the integration's own checks (integration/_selftest.py) in a fresh interpreter,
+runs the integration's own checks (integration/offline/_selftest.py) in a fresh interpreter,
 showing each check as it finishes, and keeps the verdict for a release newer than the
 newest tested one (integration/_verify.py), as that release's first guarded call would.
 """

@@ -1,6 +1,6 @@
 """Every execution path x every retry source, on the installed crewai release.
 
-The same checks `crewai-idempotent doctor --self-test` runs (integration/_selftest.py):
+The same checks `crewai-idempotent doctor --self-test` runs (integration/offline/_selftest.py):
 a scripted model, a counting provider, a crew ledger next to a different process default.
 Each case records its path, retry source and executor as JUnit properties: the nox
 matrix's `compat_report` builds docs/compatibility.md's table from them.
