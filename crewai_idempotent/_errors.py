@@ -1,13 +1,14 @@
-"""The errors the guard raises, the one signal a tool body may raise, and how a body's
-exception is recorded (`classify_failure`): what proves nothing happened, and what does not."""
+"""The errors the guard raises, and the one signal a tool body may raise (`OutcomeUnknown`).
+
+Every exception the package raises to its callers is defined here, so that each states
+its fact in one voice and pickles the same way (Celery and multiprocessing send them
+between processes). This module imports nothing of the package at run time: every other
+module may raise from it."""
 
 from __future__ import annotations
 
 import shlex
-import sys
 from typing import TYPE_CHECKING, Any
-
-from .ledger._status import Status
 
 if TYPE_CHECKING:
     from .ledger._record import Record
@@ -225,29 +226,3 @@ class SpendCapExceeded(IdempotencyError):
             f"{money(spent)} spent and {money(reserved)} reserved would exceed the limit of "
             f"{money(limit)}; nothing was run"
         )
-
-
-def classify_failure(exc: BaseException) -> tuple[Status, str]:
-    """How a body's exception is recorded: FAILED (the next attempt runs) only for an
-    ordinary exception; UNCERTAIN for anything that does not prove the effect is absent."""
-    if isinstance(exc, OutcomeUnknown):
-        return Status.UNCERTAIN, f"the tool reported an unknown outcome: {exc}"
-    # asyncio by name: `import crewai_idempotent` does not load it, and a CancelledError
-    # exists only once something has.
-    asyncio = sys.modules.get("asyncio")
-    cancelled = asyncio is not None and isinstance(exc, asyncio.CancelledError)
-    if isinstance(exc, TimeoutError) or cancelled or _looks_like_timeout(exc):
-        return Status.UNCERTAIN, (
-            f"the body was interrupted ({type(exc).__name__}: {exc}); a timeout or "
-            "cancellation does not prove the effect did not happen"
-        )
-    if not isinstance(exc, Exception):
-        return Status.UNCERTAIN, f"the body was interrupted by {type(exc).__name__}"
-    return Status.FAILED, f"{type(exc).__name__}: {exc}"
-
-
-def _looks_like_timeout(exc: BaseException) -> bool:
-    # HTTP clients' timeouts (requests' ReadTimeout, httpx's TimeoutException, urllib3's
-    # ReadTimeoutError) do not subclass TimeoutError; a request that timed out may still
-    # have been carried out, so treat them as unknown rather than as a safe failure.
-    return any("timeout" in cls.__name__.lower() for cls in type(exc).__mro__)

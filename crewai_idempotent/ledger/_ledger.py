@@ -23,13 +23,7 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
-from .._errors import (
-    BodyFailed,
-    IdempotencyError,
-    LedgerUnavailable,
-    OutcomeUncertain,
-    classify_failure,
-)
+from .._errors import BodyFailed, IdempotencyError, LedgerUnavailable, OutcomeUncertain
 from ..notifications import _incidents
 from ._backend import CacheBackend, ledger_option, url_of
 from ._keys import validate_key
@@ -45,6 +39,7 @@ from ._policy import (
     check_durations,
     check_reconcile_timeout,
     check_seconds,
+    classify_failure,
 )
 from ._reconcile import aask, ask, named, path_of
 from ._record import Record, Status, _whoami

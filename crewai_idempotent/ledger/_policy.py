@@ -2,16 +2,22 @@
 
 The stale policies, the durations and the one rule every duration obeys (the ledger and the
 crewAI configuration both check with `check_seconds`), the clock that waits are measured
-on, and `_Options`: one call's settings, resolved from the ledger's defaults.
+on, `_Options`: one call's settings, resolved from the ledger's defaults, and
+`classify_failure`: how a body's exception is recorded, what proves nothing happened and
+what does not.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
+
+from .._errors import OutcomeUnknown
+from ._record import Status
 
 if TYPE_CHECKING:
     from ._record import Record
@@ -99,3 +105,29 @@ class _Options:
             fingerprint, args, self.wait_s, self.lease_s, self.ttl, self.reconcile,
             self.on_stale, self.reconcile_timeout_s, self.call,
         )  # fmt: skip
+
+
+def classify_failure(exc: BaseException) -> tuple[Status, str]:
+    """How a body's exception is recorded: FAILED (the next attempt runs) only for an
+    ordinary exception; UNCERTAIN for anything that does not prove the effect is absent."""
+    if isinstance(exc, OutcomeUnknown):
+        return Status.UNCERTAIN, f"the tool reported an unknown outcome: {exc}"
+    # asyncio by name: `import crewai_idempotent` does not load it, and a CancelledError
+    # exists only once something has.
+    asyncio = sys.modules.get("asyncio")
+    cancelled = asyncio is not None and isinstance(exc, asyncio.CancelledError)
+    if isinstance(exc, TimeoutError) or cancelled or _looks_like_timeout(exc):
+        return Status.UNCERTAIN, (
+            f"the body was interrupted ({type(exc).__name__}: {exc}); a timeout or "
+            "cancellation does not prove the effect did not happen"
+        )
+    if not isinstance(exc, Exception):
+        return Status.UNCERTAIN, f"the body was interrupted by {type(exc).__name__}"
+    return Status.FAILED, f"{type(exc).__name__}: {exc}"
+
+
+def _looks_like_timeout(exc: BaseException) -> bool:
+    # HTTP clients' timeouts (requests' ReadTimeout, httpx's TimeoutException, urllib3's
+    # ReadTimeoutError) do not subclass TimeoutError; a request that timed out may still
+    # have been carried out, so treat them as unknown rather than as a safe failure.
+    return any("timeout" in cls.__name__.lower() for cls in type(exc).__mro__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import getpass
 import itertools
 import os
@@ -16,7 +17,13 @@ import pydantic_core
 from .._errors import LedgerUnavailable
 from ._hostclock import HostClock
 from ._results import decode
-from ._status import Status
+
+
+class Status(enum.StrEnum):
+    PENDING = "PENDING"  # claimed; the body is running (or its owner died)
+    COMMITTED = "COMMITTED"  # done; `result` holds the receipt to replay
+    FAILED = "FAILED"  # the body raised before any effect; the next attempt may run
+    UNCERTAIN = "UNCERTAIN"  # the effect may or may not have happened; resolve first
 
 
 @dataclass(frozen=True, slots=True, init=False)

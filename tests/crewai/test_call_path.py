@@ -27,13 +27,12 @@ from crewai_idempotent import (
     Money,
     SpendCap,
     Status,
-    _errors,
     configure,
 )
 from crewai_idempotent.gates._plan import Plan
 from crewai_idempotent.gates._spend import Where
 from crewai_idempotent.integration import _compat, _config, _gates, _guard, _keying
-from crewai_idempotent.ledger import _keys, _ledger
+from crewai_idempotent.ledger import _keys, _ledger, _policy
 from tests.support.clock import ManualClock
 from tests.support.faults.provider import Provider
 
@@ -51,7 +50,7 @@ ONCE = {
     "plan": _gates.GateRules.plan.__code__,
     "task_key": _guard._task_key.__code__,
     "execution_uuid": _compat.execution_uuid.__code__,
-    "classify_failure": _errors.classify_failure.__code__,
+    "classify_failure": _policy.classify_failure.__code__,
     "current_claim": _ledger.current_claim.__code__,
     "process_config": _config.process_config.__code__,
 }
