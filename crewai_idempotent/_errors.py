@@ -2,13 +2,15 @@
 
 Every exception the package raises to its callers is defined here, so that each states
 its fact in one voice and pickles the same way (Celery and multiprocessing send them
-between processes). This module imports nothing of the package at run time: every other
-module may raise from it."""
+between processes). At run time this module imports only `_money` (how an amount is
+printed), so every other module may raise from it."""
 
 from __future__ import annotations
 
 import shlex
 from typing import TYPE_CHECKING, Any
+
+from ._money import format_money
 
 if TYPE_CHECKING:
     from .ledger._record import Record
@@ -216,7 +218,6 @@ class SpendCapExceeded(IdempotencyError):
         self.limit = limit
         self.spent = spent
         self.reserved = reserved
-        from .gates._spend import format_money  # _spend raises this error: imported when it is made
 
         def money(minor: int) -> str:
             return format_money(minor, currency)

@@ -11,8 +11,8 @@ from typing import Any
 import click
 
 from .. import ApprovalRequest, Approvals, SpendLedger
+from .._money import exponent, format_money
 from ..gates._approvals import ApprovalAlreadyDecided, ApprovalNotFound, ApprovalState
-from ..gates._spend import exponent, format_money
 from ..ledger._record import _whoami
 from ._output import duration, ledger_errors, safe, stamp
 from ._where import Where

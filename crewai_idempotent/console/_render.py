@@ -21,7 +21,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup, escape
 
-from ..gates._spend import format_money
+from .._money import format_money
 
 
 @functools.cache

@@ -21,8 +21,9 @@ from typing import Any
 from rich.markup import escape
 
 from ..._errors import ApprovalRequired, LedgerConfigurationError, LedgerUnavailable, command
+from ..._money import format_money
 from ...gates._approvals import Approvals
-from ...gates._spend import Money, SpendCap, SpendLedger, format_money
+from ...gates._spend import Money, SpendCap, SpendLedger
 from ...ledger._backend import ledger_option
 from .. import install
 from ._scripted import Reply, demo_ledger, go_offline, narrator, say, scripted_model, tool_call
