@@ -30,11 +30,12 @@ from ._lazy import lazy_attributes
 from .integration import install, uninstall
 
 if TYPE_CHECKING:
+    from ._errors import PostgresDurabilityWarning, RedisDurabilityWarning
     from .backends._url import backend_from_url
     from .backends.filelock import FileLockCacheBackend
     from .backends.memory import InMemoryCacheBackend
-    from .backends.postgres import PostgresCacheBackend, PostgresDurabilityWarning
-    from .backends.redis import RedisCacheBackend, RedisDurabilityWarning
+    from .backends.postgres import PostgresCacheBackend
+    from .backends.redis import RedisCacheBackend
     from .backends.sqlite import SQLiteCacheBackend
     from .gates._approvals import ApprovalRequest, Approvals, ApprovalState
     from .gates._spend import Money, SpendCap, SpendLedger
@@ -71,9 +72,9 @@ _LAZY = {
     "FileLockCacheBackend": ".backends.filelock",
     "InMemoryCacheBackend": ".backends.memory",
     "PostgresCacheBackend": ".backends.postgres",
-    "PostgresDurabilityWarning": ".backends.postgres",
+    "PostgresDurabilityWarning": "._errors",
     "RedisCacheBackend": ".backends.redis",
-    "RedisDurabilityWarning": ".backends.redis",
+    "RedisDurabilityWarning": "._errors",
     "SQLiteCacheBackend": ".backends.sqlite",
     "IdempotencyConfig": ".integration",
     "KeyContext": ".integration",

@@ -1,9 +1,14 @@
-"""The errors the guard raises, and the one signal a tool body may raise (`OutcomeUnknown`).
+"""Every error the package raises, its warnings, and the one signal a tool body may raise
+(`OutcomeUnknown`).
 
-Every exception the package raises to its callers is defined here, so that each states
-its fact in one voice and pickles the same way (Celery and multiprocessing send them
-between processes). At run time this module imports only `_money` (how an amount is
-printed), so every other module may raise from it."""
+In one module so that each states its fact in one voice and pickles the same way (Celery
+and multiprocessing send exceptions between processes). At run time this module imports
+only `_money` (how an amount is printed), so every other module may raise from it.
+Exceptions that never leave the code that raises them stay beside it: `Halt`, which
+carries one of these errors out through crewAI to the kickoff (`integration/_call`), and
+the loops' own signals (`_gatestore.Unchanged`, `_keys._NotPlain`, the self-test's
+`CheckFailed`).
+"""
 
 from __future__ import annotations
 
@@ -227,3 +232,85 @@ class SpendCapExceeded(IdempotencyError):
             f"{money(spent)} spent and {money(reserved)} reserved would exceed the limit of "
             f"{money(limit)}; nothing was run"
         )
+
+
+class ApprovalNotFound(LookupError):
+    """No approval request has this id."""
+
+
+class ApprovalAlreadyDecided(ValueError):
+    """Only a PENDING request can be approved or denied."""
+
+
+class ApprovalMovedOn(ApprovalAlreadyDecided):
+    """The decision named the round it was made on, and the request is in another one."""
+
+
+class ApprovalNeedsAnother(ApprovalAlreadyDecided):
+    """This identity has approved this round already: the rule wants distinct approvers."""
+
+
+class UnsupportedCrewAIVersion(IdempotencyError, RuntimeError):
+    """The installed crewai is outside the range this integration was tested with: a tool
+    flagged idempotent refuses to run (nothing was run) rather than run half guarded.
+    (A RuntimeError too, as it was before it became an IdempotencyError.)"""
+
+
+class UnverifiedCrewAIVersion(UnsupportedCrewAIVersion):
+    """The installed crewai is newer than the newest release tested, inside the supported
+    minor, and its self-test has not passed on this machine (yet): nothing was run.
+
+    `state` is "running" (the self-test runs now: try again once it is done), "failed"
+    (it failed; `crewai-idempotent doctor` shows which checks), or "unavailable" (it
+    cannot run here: the message says why)."""
+
+    def __init__(self, message: str, state: str) -> None:
+        super().__init__(message)
+        self.state = state
+
+
+class CacheUnusable(Exception):
+    """The cache folder cannot hold verdicts (not writable, not this user's)."""
+
+
+class ToolReportedFailure(Exception):
+    """A body returned crewai's `ToolFailure` (MCP `isError`, crewai >= 1.15.9): recorded
+    as FAILED, so the next call runs again instead of replaying the failure for ever; the
+    caller still gets the ToolFailure back, as crewai expects."""
+
+    def __init__(self, failure: Any) -> None:
+        super().__init__(getattr(failure, "message", str(failure)))
+        self.failure = failure
+
+
+class DeliveryFailed(Exception):
+    """One try of a notification channel did not deliver: why, the HTTP status if there
+    was one, and how long the receiver asked us to wait (Retry-After)."""
+
+    def __init__(
+        self, reason: str, *, status: int | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.reason, self.status, self.retry_after = reason, status, retry_after
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+class AccountError(ValueError):
+    """A change to the console's accounts that cannot be made (the message says why)."""
+
+
+class ListenError(OSError):
+    """The console cannot listen where it was told (the message says where and why)."""
+
+
+# -- warnings ---------------------------------------------------------------------------
+
+
+class PostgresDurabilityWarning(UserWarning):
+    """The PostgreSQL server may lose a commit it acknowledged (see docs/backends.md)."""
+
+
+class RedisDurabilityWarning(UserWarning):
+    """The Redis server does not persist what the ledger writes (see docs/backends.md)."""

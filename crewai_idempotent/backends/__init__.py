@@ -22,20 +22,21 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from .._errors import PostgresDurabilityWarning, RedisDurabilityWarning
     from ._url import backend_from_url
     from .filelock import FileLockCacheBackend
     from .memory import InMemoryCacheBackend
-    from .postgres import PostgresCacheBackend, PostgresDurabilityWarning
-    from .redis import RedisCacheBackend, RedisDurabilityWarning
+    from .postgres import PostgresCacheBackend
+    from .redis import RedisCacheBackend
     from .sqlite import SQLiteCacheBackend
 
 _WHERE = {
     "FileLockCacheBackend": ".filelock",
     "InMemoryCacheBackend": ".memory",
     "PostgresCacheBackend": ".postgres",
-    "PostgresDurabilityWarning": ".postgres",
+    "PostgresDurabilityWarning": ".._errors",
     "RedisCacheBackend": ".redis",
-    "RedisDurabilityWarning": ".redis",
+    "RedisDurabilityWarning": ".._errors",
     "SQLiteCacheBackend": ".sqlite",
     "backend_from_url": "._url",
 }

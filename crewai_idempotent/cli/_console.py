@@ -171,7 +171,8 @@ def console(ctx: click.Context, url: str | None, **options: Any) -> None:
 
 def _serve(where: Where, **o: Any) -> None:
     try:
-        from ..console._serve import ListenError, serve
+        from .._errors import ListenError
+        from ..console._serve import serve
         from ..console._settings import ConsoleSettings
     except ImportError as exc:
         raise _need_extra(exc) from None
@@ -292,7 +293,7 @@ def _accounts(where: Where) -> Any:
 
 
 def _account_errors() -> Any:
-    from ..console._accounts import AccountError
+    from .._errors import AccountError
 
     return AccountError
 

@@ -11,8 +11,9 @@ from typing import Any
 import click
 
 from .. import ApprovalRequest, Approvals, SpendLedger
+from .._errors import ApprovalAlreadyDecided, ApprovalNotFound
 from .._money import exponent, format_money
-from ..gates._approvals import ApprovalAlreadyDecided, ApprovalNotFound, ApprovalState
+from ..gates._approvals import ApprovalState
 from ..ledger._record import _whoami
 from ._output import duration, ledger_errors, safe, stamp
 from ._where import Where

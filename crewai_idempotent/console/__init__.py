@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from ._accounts import Account, AccountError, Accounts, Role
+    from .._errors import AccountError
+    from ._accounts import Account, Accounts, Role
     from ._app import SECTIONS, Console, Section, create_app
     from ._beside import dispatching, sweeping
     from ._serve import serve
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "Account": "._accounts",
-    "AccountError": "._accounts",
+    "AccountError": ".._errors",
     "Accounts": "._accounts",
     "Role": "._accounts",
     "SECTIONS": "._app",

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import AccountError
 from ..gates import _gatestore
 from ..ledger._backend import CacheBackend
 
@@ -46,10 +47,6 @@ class Role(enum.StrEnum):
 _RANK = {Role.VIEWER: 0, Role.APPROVER: 1, Role.OPERATOR: 2}
 _NEEDS = {"view": Role.VIEWER, "decide": Role.APPROVER, "resolve": Role.OPERATOR,
           "purge": Role.OPERATOR}  # fmt: skip
-
-
-class AccountError(ValueError):
-    """A change to the accounts that cannot be made (the message says why)."""
 
 
 @dataclass(frozen=True, slots=True)

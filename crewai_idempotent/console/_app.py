@@ -35,14 +35,13 @@ from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .._errors import IdempotencyError, ResolutionRefused
-from ..gates._approvals import (
+from .._errors import (
     ApprovalAlreadyDecided,
     ApprovalNotFound,
-    Approvals,
-    ApprovalState,
-    _check_id,
+    IdempotencyError,
+    ResolutionRefused,
 )
+from ..gates._approvals import Approvals, ApprovalState, _check_id
 from ..ledger._backend import CacheBackend, url_of
 from ..ledger._ledger import Ledger
 from ..notifications._outbox import TYPES, Outbox

@@ -15,15 +15,12 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._errors import ListenError
 from ..ledger._backend import CacheBackend
 from ._app import Background, create_app
 from ._settings import ConsoleSettings
 
 DEFAULT_PORT = 8765
-
-
-class ListenError(OSError):
-    """The console cannot listen where it was told (the message says where and why)."""
 
 
 def is_loopback(host: str) -> bool:

@@ -40,7 +40,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import ApprovalDenied, ApprovalRequired, command
+from .._errors import (
+    ApprovalAlreadyDecided,
+    ApprovalDenied,
+    ApprovalMovedOn,
+    ApprovalNeedsAnother,
+    ApprovalNotFound,
+    ApprovalRequired,
+    command,
+)
 from ..ledger._backend import CacheBackend, ledger_option, url_of
 from ..ledger._hostclock import HostClock
 from ..ledger._record import Record
@@ -140,22 +148,6 @@ def _event(
 
 
 Listener = Callable[[str, ApprovalRequest], None]
-
-
-class ApprovalNotFound(LookupError):
-    """No approval request has this id."""
-
-
-class ApprovalAlreadyDecided(ValueError):
-    """Only a PENDING request can be approved or denied."""
-
-
-class ApprovalMovedOn(ApprovalAlreadyDecided):
-    """The decision named the round it was made on, and the request is in another one."""
-
-
-class ApprovalNeedsAnother(ApprovalAlreadyDecided):
-    """This identity has approved this round already: the rule wants distinct approvers."""
 
 
 class Approvals:

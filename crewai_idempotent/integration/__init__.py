@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .._errors import UnsupportedCrewAIVersion, UnverifiedCrewAIVersion
 from .._lazy import lazy_attributes
-from ._compat import UnsupportedCrewAIVersion, UnverifiedCrewAIVersion
 from ._patch import install, is_installed, uninstall
 
 if TYPE_CHECKING:

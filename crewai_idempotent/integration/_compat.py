@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import IdempotencyError
+from .._errors import UnsupportedCrewAIVersion
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -440,25 +440,6 @@ def untested_choice() -> bool | None:
 
 def untested_allowed() -> bool:
     return untested_choice() is True
-
-
-class UnsupportedCrewAIVersion(IdempotencyError, RuntimeError):
-    """The installed crewai is outside the range this integration was tested with: a tool
-    flagged idempotent refuses to run (nothing was run) rather than run half guarded.
-    (A RuntimeError too, as it was before it became an IdempotencyError.)"""
-
-
-class UnverifiedCrewAIVersion(UnsupportedCrewAIVersion):
-    """The installed crewai is newer than the newest release tested, inside the supported
-    minor, and its self-test has not passed on this machine (yet): nothing was run.
-
-    `state` is "running" (the self-test runs now: try again once it is done), "failed"
-    (it failed; `crewai-idempotent doctor` shows which checks), or "unavailable" (it
-    cannot run here: the message says why)."""
-
-    def __init__(self, message: str, state: str) -> None:
-        super().__init__(message)
-        self.state = state
 
 
 def untested_message(version: str, supported: str) -> str:

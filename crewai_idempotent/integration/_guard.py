@@ -34,6 +34,7 @@ from .._errors import (
     OperationInProgress,
     OutcomeUncertain,
     OutcomeUnknown,
+    ToolReportedFailure,
 )
 from ..ledger._backend import CacheBackend, ledger_option
 from ..ledger._keys import validate_key
@@ -272,16 +273,6 @@ def _uncertain(call: Guarded, error: OutcomeUncertain) -> BaseException:
     halt = call.settings.on_uncertain == "raise"
     _emit(IdempotencyUncertainEvent, call, error.record, reason=error.reason, halted=halt)
     return halting(error) if halt else error
-
-
-class ToolReportedFailure(Exception):
-    """A body returned crewai's `ToolFailure` (MCP `isError`, crewai >= 1.15.9): recorded
-    as FAILED, so the next call runs again instead of replaying the failure for ever; the
-    caller still gets the ToolFailure back, as crewai expects."""
-
-    def __init__(self, failure: Any) -> None:
-        super().__init__(getattr(failure, "message", str(failure)))
-        self.failure = failure
 
 
 def _checked(result: Any) -> Any:

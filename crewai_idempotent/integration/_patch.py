@@ -19,8 +19,8 @@ from typing import Any
 
 from _crewai_idempotent_autoload import remove_import_hook, when_imported
 
+from .._errors import UnsupportedCrewAIVersion
 from . import _call, _compat, _tools
-from ._compat import UnsupportedCrewAIVersion
 
 # The supported minor releases (docs/compatibility.md): crewai >=1.10.0, <1.16. The matrix in
 # noxfile.py runs every release up to NEWEST_TESTED; a newer one inside the range verifies

@@ -54,6 +54,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .._errors import CacheUnusable, UnverifiedCrewAIVersion
+
 log = logging.getLogger("crewai_idempotent")
 
 CACHE_ENV = "CREWAI_IDEMPOTENT_CACHE_DIR"
@@ -65,10 +67,6 @@ RUN_TIMEOUT_S = 600.0
 PACKAGES = ("crewai", "crewai_core", "crewai_idempotent")
 _FORMAT = 1
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
-
-
-class CacheUnusable(Exception):
-    """The cache folder cannot hold verdicts (not writable, not this user's)."""
 
 
 # -- where verdicts live ----------------------------------------------------------------
@@ -542,7 +540,6 @@ class Gate:
 
     def __call__(self) -> None:
         from ._call import halting
-        from ._compat import UnverifiedCrewAIVersion
 
         with self._lock:
             state, message = self._look()

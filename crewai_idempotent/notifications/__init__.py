@@ -13,14 +13,8 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from ._channels import (
-        ENV,
-        Channel,
-        DeliveryFailed,
-        channel_from_url,
-        channels_from,
-        register,
-    )
+    from .._errors import DeliveryFailed
+    from ._channels import ENV, Channel, channel_from_url, channels_from, register
     from ._dispatch import Dispatcher, Pass
     from ._message import Message, approval_link
     from ._outbox import TYPES, Delivery, Entry, Outbox, alert, put
@@ -28,7 +22,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "ENV": "._channels",
     "Channel": "._channels",
-    "DeliveryFailed": "._channels",
+    "DeliveryFailed": ".._errors",
     "channel_from_url": "._channels",
     "channels_from": "._channels",
     "register": "._channels",

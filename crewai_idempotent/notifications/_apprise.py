@@ -20,8 +20,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import LedgerConfigurationError
-from ._channels import Channel, DeliveryFailed, check_options
+from .._errors import DeliveryFailed, LedgerConfigurationError
+from ._channels import Channel, check_options
 from ._message import Message
 
 

@@ -29,24 +29,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlsplit
 
-from .._errors import LedgerConfigurationError
+from .._errors import DeliveryFailed, LedgerConfigurationError
 from ._message import Message
 
 #: Channels for every process that has no `notify=` setting of its own (space or comma
 #: separated URLs), and for `crewai-idempotent notify` without `--channel`.
 ENV = "CREWAI_IDEMPOTENCY_NOTIFY"
 DEFAULT_TIMEOUT_S = 10.0
-
-
-class DeliveryFailed(Exception):
-    """One try did not deliver: why, the HTTP status if there was one, and how long the
-    receiver asked us to wait (Retry-After)."""
-
-    def __init__(
-        self, reason: str, *, status: int | None = None, retry_after: float | None = None
-    ) -> None:
-        super().__init__(reason)
-        self.reason, self.status, self.retry_after = reason, status, retry_after
 
 
 class Channel(ABC):

@@ -39,12 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import DeliveryFailed
 from ..ledger._backend import CacheBackend
 from ..ledger._hostclock import HostClock
 from ..ledger._record import Record, Status
 from ..ledger._results import encode
 from . import _incidents, _telemetry
-from ._channels import Channel, DeliveryFailed, channels_from
+from ._channels import Channel, channels_from
 from ._message import Message
 from ._outbox import (
     DELIVERED,

@@ -1,9 +1,9 @@
 """A ledger in PostgreSQL, for workers on many hosts (the `postgres` extra)."""
 
+from ..._errors import PostgresDurabilityWarning
 from ._store import (
     SCHEMA_VERSION,
     PostgresCacheBackend,
-    PostgresDurabilityWarning,
     durability_problems,
     libpq_parameters,
 )

@@ -53,7 +53,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "install them with: pip install 'crewai-idempotent[postgres]'"
     ) from exc
 
-from ..._errors import LedgerUnavailable
+from ..._errors import LedgerUnavailable, PostgresDurabilityWarning
 from ...ledger import _fork
 from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
 from ...ledger._record import Record, Status
@@ -65,10 +65,6 @@ from ._schema import DEFAULT_TABLE, SCHEMA_VERSION, Statements, check_version, m
 log = logging.getLogger("crewai_idempotent")
 
 T = TypeVar("T")
-
-
-class PostgresDurabilityWarning(UserWarning):
-    """The PostgreSQL server may lose a commit it acknowledged (see docs/backends.md)."""
 
 
 # The settings that decide whether an acknowledged commit survives, as this session sees

@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "install it with: pip install 'crewai-idempotent[redis]'"
     ) from exc
 
-from ..._errors import LedgerUnavailable
+from ..._errors import LedgerUnavailable, RedisDurabilityWarning
 from ...ledger import _fork
 from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
 from ...ledger._record import Record, Status
@@ -66,10 +66,6 @@ T = TypeVar("T")
 
 DEFAULT_PREFIX = "crewai-idempotent:"
 _STATUSES = (Status.PENDING, Status.COMMITTED, Status.FAILED, Status.UNCERTAIN)
-
-
-class RedisDurabilityWarning(UserWarning):
-    """The Redis server does not persist what the ledger writes (see docs/backends.md)."""
 
 
 class RedisCacheBackend(CacheBackend):
