@@ -118,6 +118,17 @@ class LedgerUnavailable(IdempotencyError):
         super().__init__(message)
 
 
+class CorruptRecord(LedgerUnavailable):
+    """A stored record cannot be read back: the file, row or key `where` names holds
+    something that is not a record this version can read (`detail` says what failed).
+    The guarded body did not run."""
+
+    def __init__(self, where: str, detail: str) -> None:
+        self.where = where
+        self.detail = detail
+        super().__init__(f"{where} holds a corrupt record: {detail}")
+
+
 class BodyFailed(IdempotencyError):
     """The guarded body raised (its exception is `__cause__`); nothing more will run.
 

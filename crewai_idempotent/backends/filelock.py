@@ -41,18 +41,16 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 from urllib.parse import quote, unquote, urlsplit
 
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 from ..ledger import _fork
 from ..ledger._backend import DOCUMENTS, CacheBackend
 from ..ledger._hostclock import this_host
-from ..ledger._record import Peek, Record, Status
+from ..ledger._record import Peek, Record, Status, read_peek, read_record
 from ._options import configuration_errors, flag, local_options, with_options
 from ._paths import check_trusted, private_folder
-
-T = TypeVar("T")
 
 
 class FileLockCacheBackend(CacheBackend):
@@ -224,16 +222,8 @@ class FileLockCacheBackend(CacheBackend):
         return f"{reason}: {path}: {exc}"
 
     def _read(self, path: Path) -> Record | None:
-        return self._parsed(path, Record.from_json)
-
-    def _parsed(self, path: Path, parse: Callable[[bytes], T]) -> T | None:
         data = self._read_bytes(path)
-        if data is None:
-            return None
-        try:
-            return parse(data)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LedgerUnavailable(f"the record file is corrupt: {path}: {exc!r}") from exc
+        return None if data is None else read_record(data, f"the record file {path}")
 
     def _read_bytes(self, path: Path) -> bytes | None:
         try:
@@ -377,7 +367,9 @@ class FileLockCacheBackend(CacheBackend):
     def peek(self, key: str) -> Peek | None:
         # A read of the record file: no key lock, no temp file, no fsync.
         self._check_identity()
-        return self._parsed(self._names(key)[0], Peek.from_json)
+        path = self._names(key)[0]
+        data = self._read_bytes(path)
+        return None if data is None else read_peek(data, f"the record file {path}")
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         self._check_identity()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._errors import LedgerUnavailable
+from .._errors import CorruptRecord
 from ..ledger._backend import CacheBackend
 from ..ledger._record import Record, Status
 from ..ledger._results import decode, encode
@@ -108,5 +108,5 @@ def update(
 def _doc(record: Record) -> dict[str, Any]:
     value = decode(record.result)
     if not isinstance(value, dict):
-        raise LedgerUnavailable(f"the ledger holds a corrupt document under {record.key!r}")
+        raise CorruptRecord("the ledger", f"the document under {record.key!r} is not an object")
     return value

@@ -14,7 +14,7 @@ from typing import Any
 
 import pydantic_core
 
-from .._errors import LedgerUnavailable
+from .._errors import CorruptRecord, LedgerUnavailable
 from ._hostclock import HostClock
 from ._results import decode
 
@@ -449,6 +449,28 @@ def _appended(history: tuple[Event, ...], event: Event) -> tuple[Event, ...]:
 
 _STATUS = {status.value: status for status in Status}
 
+#: What reading a damaged document raises: not JSON, a field missing or of the wrong type.
+_DAMAGE = (ValueError, KeyError, TypeError, IndexError)
+
+
+def read_record(text: str | bytes, where: str) -> Record:
+    """The record a stored `Record.to_json` document describes. Every store reads its
+    records through this or `read_peek`, so a damaged one is reported the same way
+    everywhere: `CorruptRecord` naming `where` (the file, table or key prefix)."""
+    try:
+        return Record.from_json(text)
+    except _DAMAGE as exc:
+        raise CorruptRecord(where, repr(exc)) from exc
+
+
+def read_peek(text: str | bytes, where: str) -> Peek:
+    """`Peek.from_json` of a stored document; `CorruptRecord` naming `where` if it is
+    damaged, now or when the rest of it is decoded."""
+    try:
+        return Peek.from_json(text, where)
+    except _DAMAGE as exc:
+        raise CorruptRecord(where, repr(exc)) from exc
+
 
 class Peek:
     """A light view of a stored record: what a replay needs, the rest decoded on demand.
@@ -458,7 +480,7 @@ class Peek:
     `Record` only when someone asks (a listener, `Outcome.record`, a slow path).
     """
 
-    __slots__ = ("_doc", "_record", "expires_at", "fingerprint", "result", "status")
+    __slots__ = ("_doc", "_record", "_where", "expires_at", "fingerprint", "result", "status")
 
     def __init__(
         self,
@@ -469,6 +491,7 @@ class Peek:
         *,
         doc: dict[str, Any] | None = None,
         record: Record | None = None,
+        where: str = "the ledger",
     ) -> None:
         if (doc is None) == (record is None):
             raise TypeError("a Peek needs exactly one of doc= or record=")
@@ -478,6 +501,7 @@ class Peek:
         self.result = result  # encoded, as in Record.result
         self._doc = doc
         self._record = record
+        self._where = where  # named if the rest of the document turns out damaged
 
     @classmethod
     def of(cls, record: Record) -> Peek:
@@ -487,10 +511,14 @@ class Peek:
         )
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Peek:
-        """A view of a `Record.to_json` document: one parse, no Record, no history."""
+    def from_json(cls, text: str | bytes, where: str = "the ledger") -> Peek:
+        """A view of a `Record.to_json` document: one parse, no Record, no history.
+        `where` is what a `CorruptRecord` raised later names (see `read_peek`)."""
         d = pydantic_core.from_json(text, allow_inf_nan=True)
-        return cls(_STATUS[d["status"]], d["fingerprint"], d["expires_at"], d["result"], doc=d)
+        return cls(
+            _STATUS[d["status"]], d["fingerprint"], d["expires_at"], d["result"], doc=d,
+            where=where,
+        )  # fmt: skip
 
     def replayable(self, fingerprint: str, now: float, host: HostClock | None = None) -> bool:
         """A committed, unexpired receipt for these arguments: replay it as it is.
@@ -512,8 +540,8 @@ class Peek:
         assert self._doc is not None
         try:
             return _deadline(self._doc.get("host_expires"))
-        except (ValueError, TypeError) as exc:
-            raise LedgerUnavailable(f"the ledger holds a corrupt record: {exc!r}") from exc
+        except _DAMAGE as exc:
+            raise CorruptRecord(self._where, repr(exc)) from exc
 
     def record(self) -> Record:
         record = self._record
@@ -521,8 +549,8 @@ class Peek:
             assert self._doc is not None
             try:
                 record = self._record = Record.from_doc(self._doc)
-            except (ValueError, KeyError, TypeError, IndexError) as exc:
-                raise LedgerUnavailable(f"the ledger holds a corrupt record: {exc!r}") from exc
+            except _DAMAGE as exc:
+                raise CorruptRecord(self._where, repr(exc)) from exc
         return record
 
     def __repr__(self) -> str:

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import LedgerUnavailable
+from .._errors import CorruptRecord
 from ..ledger._backend import DOCUMENTS, CacheBackend
 from ..ledger._record import Record, Status
 from ..ledger._results import decode, encode
@@ -343,7 +343,7 @@ def is_entry(record: Record) -> bool:
 def _doc(record: Record) -> dict[str, Any]:
     value = decode(record.result)
     if not isinstance(value, dict) or value.get("kind") != "outbox":
-        raise LedgerUnavailable(f"the ledger holds a corrupt outbox entry under {record.key!r}")
+        raise CorruptRecord("the ledger", f"the outbox entry under {record.key!r} is not one")
     return value
 
 

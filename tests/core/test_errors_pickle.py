@@ -40,6 +40,7 @@ EXAMPLES: dict[str, Any] = {
     "ApprovalRequired": lambda cls: cls("pay:1", "ap_" + "0" * 20, "pay", "over 500 EUR"),
     "ApprovalDenied": lambda cls: cls("pay:1", "ap_" + "0" * 20, "ops", "not ours"),
     "SpendCapExceeded": lambda cls: cls("pay:1", "pay/kickoff-EUR/k", 60, "EUR", 200, 150, 0),
+    "CorruptRecord": lambda cls: cls("the ledger file /srv/ledger.db", "KeyError('status')"),
 }
 
 

@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 from ..._errors import LedgerUnavailable, PostgresDurabilityWarning
 from ...ledger import _fork
 from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
-from ...ledger._record import Record, Status
+from ...ledger._record import Record, Status, read_record
 from .._clock import ServerClock
 from .._options import configuration_errors, flag, redact, split_server_options, with_options
 from ._deadline import GRACE_S, Budget, Connecting, watchdog
@@ -645,12 +645,7 @@ class PostgresCacheBackend(CacheBackend):
         )  # fmt: skip
 
     def _decode(self, doc: str) -> Record:
-        try:
-            return Record.from_json(doc)
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise LedgerUnavailable(
-                f"corrupt record in {self._sql.label} at {self.where}: {exc!r}"
-            ) from exc
+        return read_record(doc, f"{self._sql.label} at {self.where}")
 
     def close(self) -> None:
         with self._lock:

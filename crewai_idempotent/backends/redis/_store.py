@@ -54,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 from ..._errors import LedgerUnavailable, RedisDurabilityWarning
 from ...ledger import _fork
 from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
-from ...ledger._record import Record, Status
+from ...ledger._record import Record, Status, read_record
 from .._clock import ServerClock
 from .._options import configuration_errors, flag, redact, split_server_options, with_options
 from ._deadline import bounded, deadline
@@ -424,12 +424,7 @@ class RedisCacheBackend(CacheBackend):
         return bool(done)
 
     def _decode(self, doc: bytes | str) -> Record:
-        try:
-            return Record.from_json(doc)
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise LedgerUnavailable(
-                f"corrupt record under prefix {self.prefix!r} at Redis {self.where}: {exc!r}"
-            ) from exc
+        return read_record(doc, f"the prefix {self.prefix!r} at Redis {self.where}")
 
     def close(self) -> None:
         self._closed = True

@@ -28,7 +28,7 @@ from ...ledger import _fork
 from ...ledger._backend import CacheBackend, prefix_end
 from ...ledger._fork import unforked
 from ...ledger._hostclock import this_host
-from ...ledger._record import Peek, Record, Status
+from ...ledger._record import Peek, Record, Status, read_peek, read_record
 from .._options import flag, local_options, seconds, with_options
 from .._paths import check_existing_file, private_file
 from ._fork import Gate, refusal_message, taint, tainted
@@ -120,6 +120,7 @@ class SQLiteCacheBackend(CacheBackend):
         self._identity = (st.st_dev, st.st_ino)
         self._dev, self._ino = st.st_dev, st.st_ino  # compared apart: no tuple per operation
         self._path_text = str(self.path)  # os.stat of a str skips __fspath__ on every call
+        self._where = f"the ledger file {self.path}"  # what a corrupt record names
         _pin_inode(self, self.path)
         # SQLite creates -wal and -shm itself; they must never be created through a new
         # file at `path`, so every connection opens the existing file (mode=rw).
@@ -447,7 +448,7 @@ class SQLiteCacheBackend(CacheBackend):
             raise LedgerUnavailable(self._explain(exc)) from exc
         finally:
             gate.leave()
-        return None if doc is None else self._parsed(doc, Record.from_json)
+        return None if doc is None else read_record(doc, self._where)
 
     def replace(self, current: Record, new: Record) -> bool:
         params = (
@@ -473,7 +474,7 @@ class SQLiteCacheBackend(CacheBackend):
 
     def get(self, key: str) -> Record | None:
         doc = self._guard(_fetch_doc, key)
-        return None if doc is None else self._decode(doc)
+        return None if doc is None else read_record(doc, self._where)
 
     def peek(self, key: str) -> Peek | None:
         gate = self._gate
@@ -486,7 +487,7 @@ class SQLiteCacheBackend(CacheBackend):
             raise LedgerUnavailable(self._explain(exc)) from exc
         finally:
             gate.leave()
-        return None if row is None else self._parsed(row[0], Peek.from_json)
+        return None if row is None else read_peek(row[0], self._where)
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         params: tuple[str, ...] = ()
@@ -496,7 +497,7 @@ class SQLiteCacheBackend(CacheBackend):
             sql = "SELECT doc FROM idempotency_records WHERE status = ? ORDER BY updated_at"
             params = (status.value,)
         rows = self._guard(_fetch_all, sql, params)
-        return iter([self._decode(row[0]) for row in rows])
+        return iter([read_record(row[0], self._where) for row in rows])
 
     def scan_prefix(self, prefix: str) -> Iterator[Record]:
         # A range of the primary key: TEXT compares as UTF-8 bytes, code point order.
@@ -508,17 +509,6 @@ class SQLiteCacheBackend(CacheBackend):
 
     def delete(self, current: Record) -> bool:
         return self._guard(_changed, _DELETE, (current.key, current.token, current.revision))
-
-    def _decode(self, doc: str) -> Record:
-        return self._parsed(doc, Record.from_json)
-
-    def _parsed(self, doc: str, parse: Callable[[str], T]) -> T:
-        try:
-            return parse(doc)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LedgerUnavailable(
-                f"the ledger file is corrupt: {self.path}: bad record {exc!r}"
-            ) from exc
 
     def close(self) -> None:
         if self._closed:
