@@ -6,10 +6,11 @@ Each opens from its own URL with `from_url`, which refuses any option it does no
 
 Beside them: `_url` (the scheme table behind `backend_from_url`), `_options` (URL options
 and `redact`), `_paths` (refusing files another user could tamper with), `_clock` (a
-server's clock, for hosts whose clocks differ), `_sqlite_fork` (closing SQLite around
-fork()), `_postgres_schema` and `_postgres_deadline` (the table and its migrations; the
-client-side bound on every call), `_redis_scripts` and `_redis_deadline` (the atomic
-writes; the bound on every socket wait).
+server's clock, for hosts whose clocks differ). The SQLite, PostgreSQL and Redis stores
+are packages whose parts sit beside them: `sqlite/_fork` (closing SQLite around fork())
+and `sqlite/_group` (group commit); `postgres/_schema` and `postgres/_deadline` (the
+table and its migrations; the client-side bound on every call); `redis/_scripts` and
+`redis/_deadline` (the atomic writes; the bound on every socket wait).
 
 Nothing here is imported until used, so `import crewai` with the integration active pays
 for no store and no client library.

@@ -7,7 +7,7 @@
 - The marks of a guarded callable, and the key parameter its signature hides.
 
 Light on purpose: `install()` loads this module inside `import crewai` (the activation
-budget of issue 14), so it imports nothing of ours that reaches the ledger. crewai is
+budget), so it imports nothing of ours that reaches the ledger. crewai is
 imported inside functions: this module is loaded before crewai has finished importing.
 """
 

@@ -329,7 +329,7 @@ def execute_with_timeout(self: Any, task_prompt: str, task: Any, timeout: int) -
 def _names(fn: Any) -> set[str]:
     """The global and attribute names a function's code (nested code included) uses: a
     cheap first look, before reading its source costs a tokenizer run inside `import
-    crewai` (issue 14's activation budget)."""
+    crewai` (the activation budget: see the integration package's docstring)."""
     names: set[str] = set()
     codes = [getattr(fn, "__code__", None)]
     while codes:
@@ -383,7 +383,7 @@ def _install_ainvoke_context(set_attr: SetAttr) -> None:
     if "copy_context" in names or "to_thread" in names:
         return  # fixed upstream
     # What the method is made of, read from its code: its source would cost a tokenizer
-    # run inside `import crewai` (about a millisecond, issue 14's activation budget).
+    # run inside `import crewai` (about a millisecond of the activation budget).
     if not {"run_in_executor", "_increment_usage_count", "_parse_args", "func"} <= names:
         log.warning(
             "crewai's CrewStructuredTool.ainvoke is not the one crewai-idempotent knows; "

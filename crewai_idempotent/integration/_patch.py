@@ -314,7 +314,7 @@ def _crew_init(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def init(self: Any, /, **data: Any) -> None:
         # Deliberately late: the options and the ledgers load with the first crew, not
-        # inside `import crewai` (issue 14's activation budget).
+        # inside `import crewai` (the activation budget).
         from ._config import check_crew_ledger, merge_crew_settings
 
         fields = _call.fields_of(type(self))

@@ -5,7 +5,8 @@ Light on purpose: `install()` runs inside `import crewai`, and every call of an 
 class tool passes through `guard_method`'s wrapper, which then costs one dict lookup. A
 tool with an idempotency option loads `_flag` (its options, the ledger) and a flagged call
 loads `_guard`; both are imported inside functions here, deliberately, so that neither
-activation nor an unflagged tool pays for them (issue 14's budget).
+activation nor an unflagged tool pays for them (the activation budget, in the package's
+docstring).
 
 crewai is imported inside functions too: this module is loaded before crewai has
 finished importing.

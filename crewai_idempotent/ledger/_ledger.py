@@ -7,9 +7,9 @@ blocking steps they need; the two drivers here perform those steps: `_drive` in 
 calling thread, `_adrive` on the event loop, where sleeping and waiting are `asyncio`
 waits and backend calls run on the ledger's own bounded thread pools (`_rooms._Lanes`).
 
-Longer than the other core modules because the sync and async entries (`execute` and
-`aexecute`, `_drive` and `_adrive`) stay side by side: every difference between the two
-paths is visible on one screen, so they cannot drift apart unnoticed.
+The sync and async entries (`execute` and `aexecute`, `_drive` and `_adrive`) sit side by
+side, each pair on one screen: a difference between the two paths is then visible where
+it is made, and they cannot drift apart unnoticed.
 """
 
 from __future__ import annotations

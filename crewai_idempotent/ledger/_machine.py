@@ -13,9 +13,9 @@ claim was taken over meanwhile, settle by the fencing token (`_fenced`, `_late`)
 operator's `resolve`, and a sweeper's look at a record (`_sweep`), which settles it by its
 reconciler's answer through the same compare-and-set as everything else.
 
-One module although it is long: these are the transitions of one state machine, and
-each is only right next to the ones it races with (a takeover against a late commit, a
-reconciliation against a fenced owner). Split, a reader would lose that table.
+These are the transitions of one state machine, kept together because each is only
+right next to the ones it races with (a takeover against a late commit, a reconciliation
+against a fenced owner): a reader checks one against the other on the same page.
 """
 
 from __future__ import annotations

@@ -419,7 +419,7 @@ def test_a_corrupt_row_and_a_dropped_table_are_named(
         ledger.run("k2", lambda: "r")
 
 
-# URL options (issue 10): ours, libpq's, and nothing else.
+# URL options: ours, libpq's, and nothing else.
 
 
 def test_url_options_that_would_be_overridden_or_are_given_twice_are_refused() -> None:
@@ -617,7 +617,7 @@ def test_a_read_only_replica_and_a_full_server_are_named_and_nothing_runs(
     assert ran == []
 
 
-# URL options (issue 10): ours, redis-py's, and nothing else.
+# URL options: ours, redis-py's, and nothing else.
 
 
 @pytest.mark.parametrize(

@@ -248,8 +248,8 @@ print(json.dumps(report))
     assert _run(probe, CREWAI_IDEMPOTENT_AUTOLOAD="0") == expected
 
 
-# What `import crewai` with the integration active must not load (issue 14: activation
-# adds under 10 ms): the ledger, stores, gates, tracing, and crewai's LiteAgent module.
+# What `import crewai` with the integration active must not load (activation adds under
+# 10 ms): the ledger, stores, gates, tracing, and crewai's LiteAgent module.
 HEAVY = (
     "crewai_idempotent.ledger._ledger",
     "crewai_idempotent.gates._approvals",

@@ -8,8 +8,8 @@ fencing token). Connections come from a `psycopg_pool.ConnectionPool`.
 Every operation is bounded on the client, whatever the server does: a watchdog thread
 shuts down the socket of a connection whose statements run past their deadline, because
 the server's `statement_timeout` cannot fire when the server is frozen or the network
-drops packets (`_postgres_deadline`). The table, its SQL and its migrations are in
-`_postgres_schema`.
+drops packets (`_deadline`). The table, its SQL and its migrations are in
+`_schema`.
 
 Leases and TTLs are measured on the server's clock: the backend reads the server's time
 when it opens a connection and at most every `clock_refresh_s` afterwards, and counts the
@@ -24,9 +24,9 @@ server, `synchronous_standby_names`. The first use reads them and warns
 (`PostgresDurabilityWarning`) if one of them can lose an acknowledged claim, whose body
 would then run again; `doctor` reports the same (`durability_problems`).
 
-The class is long because a connection's life is one story told in one place: the pool,
-the direct bridge beside it while the pool reconnects, what fork() leaves of them, the
-deadline of each call and the one resend after a lost connection.
+A connection's life is told in one class: the pool, the direct bridge beside it while
+the pool reconnects, what fork() leaves of them, the deadline of each call and the one
+resend after a lost connection decide together whether a call may be sent again.
 """
 
 from __future__ import annotations

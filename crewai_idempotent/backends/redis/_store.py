@@ -6,7 +6,7 @@ listing the UNCERTAIN records never walks the whole keyspace. The package's own 
 (`crewai-idempotent/...`: the outbox, approvals, caps) are also in `<prefix>docs`, scored
 0, so `scan_prefix` of them is one ZRANGEBYLEX.
 
-Every operation that writes is one Lua script (`_redis_scripts`), which Redis runs
+Every operation that writes is one Lua script (`_scripts`), which Redis runs
 atomically: the claim is "create the record unless the key exists, else return the
 holder", and every later transition is "write only if the stored token and revision still
 match". Nothing is read in one round trip and written in another. The scripts are
@@ -17,7 +17,7 @@ How durable a claim is depends on the server's persistence settings: see docs/ba
 The backend warns when the server it talks to persists nothing, or only RDB snapshots.
 
 Every operation ends within `timeout_s`, resends included: the socket timeouts of each
-attempt are set to the time the operation has left (`_redis_deadline`), so neither a
+attempt are set to the time the operation has left (`_deadline`), so neither a
 frozen server nor a network that drops packets can stretch it.
 
 Beside the class: the check of the server's persistence settings (also used by `doctor`),

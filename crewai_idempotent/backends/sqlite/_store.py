@@ -3,10 +3,11 @@
 Every operation checks that the file is still the one opened (a ledger deleted or replaced
 under a running process must not become an empty one), and the file and its -wal and -shm
 must belong to this user (`_paths`). Around fork() every backend closes its connections so
-that no SQLite state crosses into the child (`_sqlite_fork` says why and how).
+that no SQLite state crosses into the child (`_fork` says why and how); concurrent
+threads' synced writes share one transaction (`_group`).
 
-The module is one class with its statements: the connections, the fork hooks and the
-identity checks share the backend's state, and splitting them would scatter one story.
+The connections, the fork hooks and the identity checks are one class with its
+statements because they share the backend's state: every operation passes all three.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class SQLiteCacheBackend(CacheBackend):
         # writes that let a body start (the same slot unless claims alone are synced).
         self._syncs = {_PLAIN: "NORMAL" if self._lazy else synchronous, _CLAIM: "FULL"}
         self._claim_slot = _CLAIM if self._lazy else _PLAIN
-        # The synced writes of concurrent threads share one fsync (`_sqlite_group`).
+        # The synced writes of concurrent threads share one fsync (`_group`).
         # NORMAL syncs nothing when a write commits: nothing to share.
         self._group = None if synchronous == "NORMAL" else Group(busy_timeout_s)
         self.busy_timeout_s = busy_timeout_s
@@ -440,7 +441,7 @@ class SQLiteCacheBackend(CacheBackend):
         try:
             # Every insert is synced: a claim lets a body start, and the rare other one (a
             # fenced record whose key was purged meanwhile) must not vanish either. Threads
-            # claiming at once share one sync (`_sqlite_group`).
+            # claiming at once share one sync (`_group`).
             conn = self._ready(self._claim_slot)
             group = self._group
             doc = _claim(conn, params) if group is None else group.run(conn, _claim, params)

@@ -11,10 +11,9 @@ the same checks in the suite, on every release of the matrix.
 The doctor, and a release verifying itself (`_verify`), run them in a fresh interpreter
 (`run_in_subprocess`, beside `main`, which speaks the same line protocol: the checks that
 apply first, then one line per check as it finishes): crewai is imported inside the
-checks only, so the doctor's side of this module costs no crewai import. It stays one
-module of ~480 lines:
-the checks, the scripted answers they give and both ends of the line protocol are read
-together when a check fails on a new crewai release.
+checks only, so the doctor's side of this module costs no crewai import. The checks, the
+scripted answers they give and both ends of the line protocol are together because they
+are read together when a check fails on a new crewai release.
 """
 
 from __future__ import annotations
