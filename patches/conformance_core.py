@@ -5,7 +5,7 @@ transition; here its backend is the patched crewAI's `SQLiteIdempotencyBackend`,
 through the plugin's `CacheBackend` interface. The two share one record document and one
 table, so each record crosses as its JSON: any drift in the document, the claim, the
 compare-and-set or the scan between the patch and the package fails the suite.
-Selected with CONFORMANCE_BACKENDS=crewai-core (tests/conftest.py).
+Selected with CONFORMANCE_BACKENDS=crewai-core (tests/support/stores.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Shared fixtures. Every backend joins the conformance suite as a `store_<kind>` fixture:
-`factory` opens the store of the test's `backend_kind` by asking for that fixture."""
+`factory` opens the store of the test's `backend_kind` by asking for that fixture. What
+tests import (the backend lists, `BackendFactory`) is in tests/support/stores.py."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from crewai_idempotent import (
     FileLockCacheBackend,
     InMemoryCacheBackend,
     SQLiteCacheBackend,
-    backend_from_url,
 )
+from tests.support.stores import ALL_BACKENDS, BackendFactory, backend_factory
 
 if TYPE_CHECKING:
     from tests.support.servers import PostgresServer, RedisServer
@@ -41,32 +42,6 @@ if TYPE_CHECKING:
 # The session's throwaway servers (postgres_server, redis_server) are fixtures there; as a
 # plugin, its asserts are rewritten too.
 pytest_plugins = ["tests.support.servers"]
-
-# Backends that persist across processes; the in-memory one joins only in-process tests.
-DURABLE_BACKENDS = ["sqlite", "sqlite-normal", "filelock", "postgres", "redis"]
-ALL_BACKENDS = ["memory", *DURABLE_BACKENDS]
-if os.environ.get("CONFORMANCE_BACKENDS"):  # patches/verify.sh: crewAI core's store alone
-    ALL_BACKENDS = os.environ["CONFORMANCE_BACKENDS"].split(",")
-
-
-class BackendFactory:
-    """Opens (or re-opens) one store. `url` reopens the same store in another process."""
-
-    def __init__(self, url: str, open_: Callable[[], CacheBackend] | None = None) -> None:
-        self.url = url
-        self._open = open_ or (lambda: backend_from_url(url))
-
-    def __call__(self) -> CacheBackend:
-        return self._open()
-
-    def __repr__(self) -> str:
-        return f"BackendFactory({self.url!r})"
-
-
-def backend_factory(kind: str, request: pytest.FixtureRequest) -> BackendFactory:
-    """The store of `kind` for this test: the `store_<kind>` fixture (a plugin such as
-    patches/conformance_core.py can add kinds by defining one)."""
-    return request.getfixturevalue(f"store_{kind.replace('-', '_')}")  # type: ignore[no-any-return]
 
 
 @pytest.fixture

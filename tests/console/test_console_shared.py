@@ -13,8 +13,8 @@ from starlette.testclient import TestClient
 
 from crewai_idempotent import Approvals, ApprovalState, CacheBackend
 from crewai_idempotent.console import Accounts, ConsoleSettings, create_app
-from tests.conftest import DURABLE_BACKENDS, BackendFactory
 from tests.support.console import PASSWORD, ask, csrf_of, login
+from tests.support.stores import DURABLE_BACKENDS, BackendFactory
 
 
 @pytest.fixture(params=DURABLE_BACKENDS)

@@ -39,11 +39,11 @@ from crewai_idempotent.gates._plan import Plan
 from crewai_idempotent.gates._spend import Money, SpendCap, SpendLedger, Where
 from crewai_idempotent.ledger._record import _whoami
 from crewai_idempotent.notifications import Outbox
-from tests.conftest import DURABLE_BACKENDS
 from tests.support.approver import approve_first_pending
 from tests.support.clock import ManualClock
 from tests.support.faults.provider import Provider
 from tests.support.forked_race import fork_together
+from tests.support.stores import DURABLE_BACKENDS
 
 PROCESSES = 16
 

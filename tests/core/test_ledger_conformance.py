@@ -35,9 +35,9 @@ from crewai_idempotent import (
     fingerprint,
 )
 from crewai_idempotent.ledger._record import Event
-from tests.conftest import ALL_BACKENDS
 from tests.support.clock import ClockedBackend, ManualClock
 from tests.support.faults.provider import Provider as Effects
+from tests.support.stores import ALL_BACKENDS
 
 # Every backend of conftest, plus SQLite in synchronous=CLAIMS (two connections per
 # thread: claims on a FULL one, the rest on a NORMAL one) unless a run picks its own.

@@ -25,9 +25,9 @@ from crewai_idempotent.gates._spend import (
     format_money,
     windows,
 )
-from tests.conftest import DURABLE_BACKENDS
 from tests.support.faults.provider import Provider
 from tests.support.forked_race import fork_together
+from tests.support.stores import DURABLE_BACKENDS
 
 ROUNDS = int(os.environ.get("CREWAI_IDEMPOTENT_SPEND_ROUNDS", "50"))
 PROCESSES = 16

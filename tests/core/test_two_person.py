@@ -23,9 +23,9 @@ from crewai_idempotent.gates._approvals import (
 )
 from crewai_idempotent.gates._plan import Plan
 from crewai_idempotent.gates._spend import Where
-from tests.conftest import DURABLE_BACKENDS
 from tests.support.clock import ClockedBackend, ManualClock
 from tests.support.faults.provider import Provider
+from tests.support.stores import DURABLE_BACKENDS
 
 
 @pytest.fixture(params=DURABLE_BACKENDS)

@@ -31,9 +31,9 @@ from crewai_idempotent.notifications import (
     alert,
     channel_from_url,
 )
-from tests.conftest import DURABLE_BACKENDS
 from tests.support.clock import ClockedBackend, ManualClock
 from tests.support.notify import SECRET, Receiver
+from tests.support.stores import DURABLE_BACKENDS
 
 
 @pytest.fixture(params=["memory", *DURABLE_BACKENDS])

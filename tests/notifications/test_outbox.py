@@ -26,9 +26,9 @@ from crewai_idempotent.gates._plan import Plan
 from crewai_idempotent.gates._spend import Money, SpendCap, SpendLedger, Where
 from crewai_idempotent.notifications import Outbox, alert, put
 from crewai_idempotent.notifications._outbox import OUTBOX, confirmation, doc_of
-from tests.conftest import DURABLE_BACKENDS
 from tests.support.clock import ClockedBackend, ManualClock
 from tests.support.faults.provider import Provider
+from tests.support.stores import DURABLE_BACKENDS
 
 
 @pytest.fixture(params=["memory", *DURABLE_BACKENDS])

@@ -23,9 +23,9 @@ import pytest
 
 from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend
 from crewai_idempotent.ledger import _fork
-from tests.conftest import backend_factory
 from tests.support.faults.provider import Provider
 from tests.support.fork import assert_sound, run_scenario
+from tests.support.stores import backend_factory
 from tests.support.unprivileged import in_child
 
 LOCAL = ["sqlite", "sqlite-normal", "filelock"]

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from crewai_idempotent import Ledger, OutcomeUncertain, backend_from_url
-from tests.conftest import backend_factory
 from tests.support.faults.provider import Provider
 from tests.support.fork import (
     ROOT,
@@ -34,6 +33,7 @@ from tests.support.fork import (
     stale_unwritten,
     wait_for,
 )
+from tests.support.stores import backend_factory
 
 KINDS = ["sqlite", "sqlite-normal", "filelock", "postgres", "redis"]
 
