@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .._errors import BodyFailed, IdempotencyError, LedgerUnavailable, OutcomeUncertain
@@ -50,6 +51,7 @@ from ._steps import _MISSING, Outcome, Settled, Stage, Step, _Ask, _Call, _Park,
 __all__ = [
     "Clock",
     "Ledger",
+    "LedgerStats",
     "Listener",
     "Outcome",
     "Reconciler",
@@ -76,6 +78,20 @@ def current_claim() -> Record | None:
     name the token it runs under. Each asyncio task sees its own.
     """
     return _current_claim.get()
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStats:
+    """What a ledger holds in this process right now (`Ledger.stats()`).
+
+    `rooms`: the keys that callers in this process are claiming or waiting on, one room
+    per key (0 once every call has returned). `held`: the keys whose claims this process
+    holds while their bodies run, whose leases it renews (a forked child starts with none:
+    its parent's claims are not its own).
+    """
+
+    rooms: int
+    held: tuple[str, ...]
 
 
 class Ledger(_Machine):
@@ -384,6 +400,11 @@ class Ledger(_Machine):
 
     def records(self, status: Status | None = None) -> list[Record]:
         return list(self._drive(self._scan(status)))
+
+    def stats(self) -> LedgerStats:
+        """What this ledger holds in this process: see `LedgerStats`. A read of in-process
+        state only; the store is not asked."""
+        return LedgerStats(len(self._rooms), tuple(r.key for r in self._keeper.claims()))
 
     def is_stale(self, record: Record) -> bool:
         """True for a PENDING record whose owner stopped renewing its lease."""

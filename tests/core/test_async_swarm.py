@@ -196,7 +196,7 @@ def test_a_thousand_callers_of_one_key_run_it_once(
     # The store was only ever called from the ledger's own lanes, never the loop's
     # default pool (and never the loop's own thread).
     assert all(name.startswith("crewai-idempotent-") for name in store.threads), store.threads
-    assert len(ledger._rooms) == 0
+    assert ledger.stats().rooms == 0
 
 
 def test_a_thousand_distinct_keys_each_run_once(backend: CacheBackend, provider: Provider) -> None:
@@ -296,7 +296,7 @@ def test_a_cancelled_waiter_leaves_nothing_behind(
         for waiter in waiters:
             with pytest.raises(asyncio.CancelledError):
                 await waiter
-        assert len(ledger._rooms) == 0
+        assert ledger.stats().rooms == 0
         record = ledger.get("k")
         assert record is not None and record.status is Status.PENDING  # still the owner's
         assert [event.kind for event in record.history] == ["claim"]
@@ -407,4 +407,4 @@ def test_threads_and_tasks_wait_in_one_room(backend: CacheBackend, provider: Pro
     assert len(replays) == 150
     assert all(o.replayed and o.value == receipt for o in replays)
     assert store.calls["get"] <= 15, store.calls
-    assert len(waiters._rooms) == 0
+    assert waiters.stats().rooms == 0

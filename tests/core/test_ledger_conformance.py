@@ -35,7 +35,7 @@ from crewai_idempotent import (
     fingerprint,
 )
 from crewai_idempotent.ledger._record import Event
-from tests.support.clock import ClockedBackend, ManualClock
+from tests.support.clock import ClockedBackend, FrozenClock, ManualClock
 from tests.support.faults.provider import Provider as Effects
 from tests.support.stores import ALL_BACKENDS
 
@@ -309,7 +309,7 @@ def test_waiter_replays_once_the_owner_commits(ledger: Ledger, provider: Provide
         target=lambda: waiter_result.append(ledger.execute("slow", provider.body("slow")))
     )
     waiter.start()
-    _until(lambda: len(ledger._rooms) == 1)  # the waiter waits on the owner's claim
+    _until(lambda: ledger.stats().rooms == 1)  # the waiter waits on the owner's claim
     release.set()
     owner.join(5)
     waiter.join(5)
@@ -486,8 +486,8 @@ class FrozenOwner:
         effects: list[str],
         effect: str,
     ) -> None:
-        ledger = Ledger(backend, lease_s=5.0)
-        ledger._keeper._renew = lambda claim: None  # type: ignore[method-assign]
+        # On a clock where no time passes, its lease keeper never finds a renewal due.
+        ledger = Ledger(backend, lease_s=5.0, clock=FrozenClock())
         self.inside, self.release = threading.Event(), threading.Event()
         self.returned: list[Any] = []
         self.errors: list[BaseException] = []

@@ -85,7 +85,7 @@ OWNER = textwrap.dedent(
     claimed.clear()
     threading.Thread(target=mine.run, args=("child", forever("child")), daemon=True).start()
     claimed.wait()
-    say(role="child", renewing=[r.key for r in mine._keeper.claims()])
+    say(role="child", renewing=list(mine.stats().held))
     time.sleep(3600)
     """
 )

@@ -6,7 +6,8 @@ nothing that waits on real events hangs). Give it to a ledger as `clock=` (its w
 pauses advance the offset instead of sleeping, and its lease keeper's schedule runs on it)
 and wrap the store in `ClockedBackend`, whose clocks (what leases and TTLs are judged by:
 `now()` and, for an embedded store, the host's clock) are the store's own plus the same
-offset. `FakeHostClock` is a host clock whose readings a test sets.
+offset. `FakeHostClock` is a host clock whose readings a test sets; `FrozenClock` one on which no
+time passes at all.
 """
 
 from __future__ import annotations
@@ -45,6 +46,27 @@ class ManualClock:
                 return event.is_set()
             if event.wait(min(left, 0.005)):
                 return True
+
+
+class FrozenClock:
+    """A clock on which no time passes but what the ledger's own pauses add: a ledger given
+    it never finds a lease renewal due (an owner frozen mid-body, as far as its lease
+    goes), and its lease keeper waits for news instead of for a deadline."""
+
+    def __init__(self) -> None:
+        self._now = time.monotonic()
+        self._lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        return self._now
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            self._now += max(seconds, 0.0)
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        event.wait()  # no deadline on this clock ever passes by itself
+        return True
 
 
 class FakeHostClock(HostClock):
