@@ -27,9 +27,11 @@ from typing import Any
 import pytest
 
 from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend, Status
+from crewai_idempotent.backends.sqlite import SQLiteStats
 from crewai_idempotent.backends.sqlite import _group as _sqlite_group
 from crewai_idempotent.ledger._record import Event, Owner, Record
 from tests.support.faults.provider import Provider
+from tests.support.sqlite import Connections
 from tests.support.unprivileged import in_child
 
 # -- strace: syncs against bodies ----------------------------------------------------------
@@ -69,7 +71,7 @@ WORKER = textwrap.dedent(
     if hold:
         # One caller waits for the lock inside SQLite; every other one queues behind it.
         deadline = time.monotonic() + 60
-        while len(backend._group._queue) < threads - 1:
+        while backend.stats().queued < threads - 1:
             assert time.monotonic() < deadline, "the callers never queued"
             time.sleep(0.001)
         blocker.close()
@@ -255,7 +257,7 @@ def _one_batch(
 
     plug = threading.Thread(target=plug_in)
     plug.start()
-    _until(lambda: backend._group is not None and backend._group._busy, "the plug never ran")
+    _until(lambda: backend.stats().writing, "the plug never ran")
 
     def call(i: int) -> None:
         try:
@@ -266,9 +268,7 @@ def _one_batch(
     workers = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
     for worker in workers:
         worker.start()
-    group = backend._group
-    assert group is not None
-    _until(lambda: len(group._queue) == len(calls), "the calls never queued")
+    _until(lambda: backend.stats().queued == len(calls), "the calls never queued")
     then()
     for thread in (plug, *workers):
         thread.join(60)
@@ -373,19 +373,19 @@ def test_a_failing_commit_fails_every_member(tmp_path: Path) -> None:
     assert reply["value"]["left"] == []  # no write reported done, none stored
 
 
-def test_a_single_thread_never_opens_a_transaction(tmp_path: Path) -> None:
+def test_a_single_thread_never_opens_a_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The lone caller's write stays one autocommit statement: no BEGIN, no COMMIT.
+    connections = Connections(monkeypatch)
     for mode in ("FULL", "CLAIMS"):
         backend = SQLiteCacheBackend(tmp_path / f"{mode}.db", synchronous=mode)
         ledger = Ledger(backend)
         ledger.run("warm-up", lambda: 1)
-        statements: list[str] = []
-        for slot in ("conn", "claim_conn"):
-            conn = getattr(backend._local, slot, None)
-            if conn is not None:
-                conn.set_trace_callback(statements.append)
+        connections.forget()
         for i in range(20):
             assert ledger.run(f"k{i}", lambda i=i: i) == i
+        statements = connections.statements
         assert any(s.startswith("INSERT") for s in statements)
         assert not [s for s in statements if s.split()[0] in ("BEGIN", "COMMIT")], statements
         backend.close()
@@ -405,8 +405,7 @@ def test_fork_while_members_wait_lets_the_batch_finish_and_the_child_start_clean
     forked: dict[str, Any] = {}
 
     def in_the_child() -> Any:
-        group = backend._group
-        assert group is not None and not group._busy and not group._queue
+        assert backend.stats() == SQLiteStats(writing=False, queued=0, closing=False)
         seen = [k for k in keys if backend.get(k) is not None]
         done: list[Any] = []
         workers = [
@@ -446,7 +445,7 @@ def test_close_waits_for_queued_members(tmp_path: Path) -> None:
 
     def close_then_let_go() -> None:
         closer.start()
-        _until(lambda: backend._gate._closed, "close() never started")
+        _until(lambda: backend.stats().closing, "close() never started")
         blocker.close()
 
     blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
@@ -471,11 +470,9 @@ def test_a_member_interrupted_while_queued_is_dropped_and_the_group_goes_on(
     path = tmp_path / "ledger.db"
     backend = SQLiteCacheBackend(path, busy_timeout_s=60)
     backend.get("warm-up")
-    group = backend._group
-    assert group is not None
 
     def on_alarm(signum: int, frame: Any) -> None:
-        if len(group._queue) == 1:
+        if backend.stats().queued == 1:
             raise _Interrupted
         signal.setitimer(signal.ITIMER_REAL, 0.05)  # not queued yet: look again
 
@@ -484,38 +481,42 @@ def test_a_member_interrupted_while_queued_is_dropped_and_the_group_goes_on(
         with _write_lock(path) as blocker:
             plug = threading.Thread(target=backend.insert, args=(_claim("plug"),))
             plug.start()
-            _until(lambda: group._busy, "the plug never ran")
+            _until(lambda: backend.stats().writing, "the plug never ran")
             signal.setitimer(signal.ITIMER_REAL, 0.05)
             with pytest.raises(_Interrupted):
                 backend.insert(_claim("interrupted"))  # queued behind the plug, in this thread
-            assert group._queue == []
+            assert backend.stats().queued == 0
             blocker.close()
             plug.join(60)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    assert not group._busy  # the plug's hand-off found nobody waiting
+    assert not backend.stats().writing  # the plug's hand-off found nobody waiting
     assert backend.get("interrupted") is None
     assert backend.insert(_claim("after")) is None
     backend.close()
 
 
-def test_a_write_alone_never_joins_a_transaction_left_open(tmp_path: Path) -> None:
+def test_a_write_alone_never_joins_a_transaction_left_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Were a failed batch's ROLLBACK to fail, its connection would stay in a transaction; a
     # later write on it must still commit on its own, or it would be reported done unsaved.
     path = tmp_path / "ledger.db"
+    connections = Connections(monkeypatch)
     backend = SQLiteCacheBackend(path)
     backend.get("warm-up")
-    backend._local.conn.execute("BEGIN")
+    (conn,) = connections.of_this_thread()  # what a failed ROLLBACK would leave behind
+    conn.execute("BEGIN")
     assert backend.insert(_claim("k")) is None
-    assert not backend._local.conn.in_transaction
+    assert not conn.in_transaction
     with SQLiteCacheBackend(path) as other:
         assert other.get("k") is not None
     backend.close()
 
 
 def test_a_queued_write_waits_for_the_lock_no_longer_than_its_busy_timeout(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Queued behind a write stuck on the lock, a member must not then wait a busy timeout
     # of its own: the fork gate and close() wait for it the busy timeout plus one second.
@@ -523,15 +524,11 @@ def test_a_queued_write_waits_for_the_lock_no_longer_than_its_busy_timeout(
     # runs under), not how long it took: a loaded machine stretches the latter.
     path = tmp_path / "ledger.db"
     timeout = 2.0
+    connections = Connections(monkeypatch)
     backend = SQLiteCacheBackend(path, busy_timeout_s=timeout)
     backend.get("warm-up")
-    statements: list[str] = []
 
     def call(key: str) -> str:
-        # This thread's connection is made before the write queues: trace what it runs.
-        backend._ready("claim_conn" if backend._lazy else "conn").set_trace_callback(
-            statements.append
-        )
         with pytest.raises(LedgerUnavailable) as failed:
             backend.insert(_claim(key))
         return str(failed.value)
@@ -543,13 +540,18 @@ def test_a_queued_write_waits_for_the_lock_no_longer_than_its_busy_timeout(
     # The batch ran under what was left of its members' own timeouts, counted from when
     # they arrived (already spent behind the write they queued behind), then put back:
     # alone it would have waited a whole timeout more.
-    busy = [int(s.split("=")[1]) for s in statements if s.startswith("PRAGMA busy_timeout")]
+    # (A connection's first statement sets the busy timeout it opens with.)
+    busy = [
+        int(s.split("=")[1])
+        for ran in connections.runs()
+        for s in ran[1:]
+        if s.startswith("PRAGMA busy_timeout")
+    ]
     full = int(timeout * 1000)
-    assert len(busy) == 2 and busy[0] < full and busy[1] == full, statements
+    assert len(busy) == 2 and busy[0] < full and busy[1] == full, connections.runs()
     # The batch's shortened wait was put back.
-    assert {c.execute("PRAGMA busy_timeout").fetchone()[0] for c in backend._connections} == {
-        int(timeout * 1000)
-    }
+    opened = connections.alive()
+    assert {c.execute("PRAGMA busy_timeout").fetchone()[0] for c in opened} == {full}
     assert backend.insert(_claim("after")) is None
     backend.close()
 
@@ -574,7 +576,7 @@ def test_fork_while_a_write_outlives_the_wait_gives_the_child_a_fresh_group(
 
     writer = threading.Thread(target=backend._guard, args=(lambda c: group.run(c, stuck),))
     writer.start()
-    _until(lambda: group._busy, "the stuck write never started")
+    _until(lambda: backend.stats().writing, "the stuck write never started")
     keys = [f"k{i}" for i in range(4)]
     results: dict[str, Any] = {}
     members = [
@@ -583,14 +585,13 @@ def test_fork_while_a_write_outlives_the_wait_gives_the_child_a_fresh_group(
     ]
     for member in members:
         member.start()
-    _until(lambda: len(group._queue) == len(keys), "the members never queued")
+    _until(lambda: backend.stats().queued == len(keys), "the members never queued")
 
     def in_the_child() -> Any:
-        fresh = backend._group
-        assert fresh is not None
         with pytest.raises(LedgerUnavailable, match="still running in the parent"):
             ledger.run("in-child", lambda: "ran")
-        return {"busy": fresh._busy, "queued": len(fresh._queue)}
+        stats = backend.stats()
+        return {"busy": stats.writing, "queued": stats.queued}
 
     try:
         reply = in_child(in_the_child)

@@ -25,6 +25,7 @@ from crewai_idempotent import Ledger, LedgerUnavailable, SQLiteCacheBackend
 from crewai_idempotent.ledger import _fork
 from tests.support.faults.provider import Provider
 from tests.support.fork import assert_sound, run_scenario
+from tests.support.sqlite import Connections
 from tests.support.stores import backend_factory
 from tests.support.unprivileged import in_child
 
@@ -249,14 +250,15 @@ def test_the_fork_marker_stays_zero_when_a_child_hook_failed() -> None:
 
 
 def test_a_process_forked_without_the_hooks_never_closes_what_it_inherited_when_it_forks(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A child forked in C inherits the parent's open connections; when it later forks
     through os.fork(), its hooks must not close them (sqlite3_close there would act on
     locks and a WAL index the parent owns): they are kept, and the file refused."""
+    connections = Connections(monkeypatch)
     backend = SQLiteCacheBackend(tmp_path / "ledger.db")
     Ledger(backend).run("paid", lambda: "ch_original")
-    inherited = backend._local.conn
+    inherited = connections.of_this_thread()[0]
     read, write = os.pipe()
     libc = ctypes.CDLL(None, use_errno=True)
     pid = libc.fork()

@@ -1,5 +1,5 @@
 """The embedded default: one SQLite file in WAL mode."""
 
-from ._store import SCHEMA_VERSION, SQLiteCacheBackend, sqlite_url
+from ._store import SCHEMA_VERSION, SQLiteCacheBackend, SQLiteStats, sqlite_url
 
-__all__ = ["SCHEMA_VERSION", "SQLiteCacheBackend", "sqlite_url"]
+__all__ = ["SCHEMA_VERSION", "SQLiteCacheBackend", "SQLiteStats", "sqlite_url"]

@@ -36,6 +36,11 @@ class Gate:
         self._active = 0
         self._closed = False
 
+    @property
+    def closed(self) -> bool:
+        """No new operation is let in (close() or a fork has begun)."""
+        return self._closed
+
     def enter(self) -> None:
         with self._lock:  # the plain lock: this runs on every operation
             if not self._closed:

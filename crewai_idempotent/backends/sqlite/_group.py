@@ -75,6 +75,12 @@ class Group:
         self._busy = False  # a write (alone or a batch) is being committed
         self._queue: list[_Member] = []  # waiting for the next batch, in arrival order
 
+    def state(self) -> tuple[bool, int]:
+        """Whether a write (alone or a batch) is being committed, and how many wait for
+        the next batch."""
+        with self._lock:
+            return self._busy, len(self._queue)
+
     def run(self, conn: sqlite3.Connection, write: Write, *args: Any) -> Any:
         """`write(conn, *args)`, committed and synced when this returns: alone if no other
         synced write is being committed, else in the next batch. Raises what the write

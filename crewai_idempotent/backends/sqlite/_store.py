@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
 from urllib.parse import quote, unquote, urlsplit
@@ -69,6 +70,20 @@ _PLAIN, _CLAIM = "conn", "claim_conn"
 # Every backend of this process, so that one opening a file can tell that another object
 # holds connections to it inherited through a fork that skipped the hooks.
 _backends: weakref.WeakSet[SQLiteCacheBackend] = weakref.WeakSet()
+
+
+@dataclass(frozen=True, slots=True)
+class SQLiteStats:
+    """What a SQLite backend is doing right now (`SQLiteCacheBackend.stats()`).
+
+    `writing`: a synced write of this backend (alone, or a group commit's batch) is being
+    committed. `queued`: writes of other threads waiting to share the next transaction
+    (group commit). `closing`: close() (or a fork) has begun, and no new operation is let in.
+    """
+
+    writing: bool
+    queued: int
+    closing: bool
 
 
 class SQLiteCacheBackend(CacheBackend):
@@ -476,6 +491,12 @@ class SQLiteCacheBackend(CacheBackend):
     def get(self, key: str) -> Record | None:
         doc = self._guard(_fetch_doc, key)
         return None if doc is None else read_record(doc, self._where)
+
+    def stats(self) -> SQLiteStats:
+        """What this backend is doing right now, in this process: see `SQLiteStats`."""
+        group = self._group
+        writing, queued = (False, 0) if group is None else group.state()
+        return SQLiteStats(writing, queued, self._gate.closed)
 
     def peek(self, key: str) -> Peek | None:
         gate = self._gate
