@@ -151,7 +151,8 @@ Listener = Callable[[str, ApprovalRequest], None]
 
 
 class Approvals:
-    """Approval requests kept in `backend`, next to the idempotency records."""
+    """Approval requests kept in `backend`, next to the idempotency records. Raises
+    nothing until used: each method says what it raises."""
 
     def __init__(self, backend: CacheBackend) -> None:
         self.backend = backend
@@ -163,12 +164,18 @@ class Approvals:
     # -- operators ---------------------------------------------------------------------
 
     def get(self, rid: str) -> ApprovalRequest:
+        """The request `rid` (`ap_...`). Raises `ValueError` for a malformed id,
+        `ApprovalNotFound` if there is none, `LedgerUnavailable` if the store cannot be
+        read."""
         doc = _gatestore.read(self.backend, _doc_key(_check_id(rid)))
         if doc is None:
             raise ApprovalNotFound(f"no approval request {rid!r} in {url_of(self.backend)}")
         return self._request(doc)
 
     def list(self, state: ApprovalState | str | None = None) -> list[ApprovalRequest]:
+        """Every request (or those in `state`: an `ApprovalState`, its name in any case,
+        or "all"), oldest first. Raises `ValueError` for an unknown state and
+        `LedgerUnavailable` if the store cannot be read."""
         wanted = None
         if state is not None and str(state).lower() != "all":
             try:
@@ -190,12 +197,16 @@ class Approvals:
         via: str = "",
         round: int | None = None,
     ) -> ApprovalRequest:
-        """Grant a PENDING request; the grant must be used within `ttl_s` seconds.
+        """Grant the PENDING request `rid`; the grant must be used within `ttl_s` seconds.
 
-        `by` is who approves, as authenticated where the decision is made; `via` where
-        (kept in the history). With `round`, the decision is refused (`ApprovalMovedOn`)
-        unless the request is still in that round: it binds what the approver looked at.
-        A request that needs more approvers stays PENDING with this approval counted.
+        `by` is who approves, as authenticated where the decision is made (not blank);
+        `via` where, and `reason` why (both kept in the history). With `round`, the
+        decision is refused (`ApprovalMovedOn`) unless the request is still in that round:
+        it binds what the approver looked at. A request that needs more approvers stays
+        PENDING with this approval counted. Raises `ValueError` for a blank `by` or a
+        `ttl_s` that is not a positive number, `ApprovalNotFound`, `ApprovalAlreadyDecided`
+        for a request that is not PENDING, `ApprovalNeedsAnother` when `by` has approved
+        this round already, and `LedgerUnavailable` if the store cannot be written.
         """
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0:
             raise ValueError(f"ttl_s must be a positive number of seconds, not {ttl_s!r}")
@@ -204,7 +215,8 @@ class Approvals:
     def deny(
         self, rid: str, *, by: str, reason: str = "", via: str = "", round: int | None = None
     ) -> ApprovalRequest:
-        """Refuse a PENDING (or granted, unused) request: the call never runs."""
+        """Refuse the PENDING (or granted, unused) request `rid`: the call never runs.
+        `by`, `reason`, `via` and `round` as for `approve`; raises what `approve` raises."""
         return self._decide(rid, ApprovalState.DENIED, by, reason, None, via, round)
 
     def _decide(
@@ -293,11 +305,15 @@ class Approvals:
     ) -> ApprovalRequest:
         """Let the holder of `claim` start its body, or raise.
 
-        Called under the claim (so one caller per key at a time). Returns the grant it
-        used; raises `ApprovalRequired` (a request was created, or is still waiting, or a
-        grant expired or was spent and a new round begins) or `ApprovalDenied`.
-        `approvers`: how many distinct identities must approve; a stored request that
-        asked for fewer is raised to it (a grant short of it is not live any more).
+        Called under the claim (so one caller per key at a time). The request is the one
+        for the claim's key and the arguments' `fingerprint`; `tool`, `reason`, `summary`
+        (the arguments as an operator sees them) and the `crew`, `task` and `kickoff` it
+        runs in are stored with a new one. `approvers`: how many distinct identities must
+        approve; a stored request that asked for fewer is raised to it (a grant short of it
+        is not live any more). Returns the grant it used; raises `ApprovalRequired` (a
+        request was created, or is still waiting, or a grant expired or was spent and a new
+        round begins), `ApprovalDenied`, `ValueError` for an `approvers` that is not a
+        whole number of 1 or more, or `LedgerUnavailable` if the store cannot be used.
         """
         if isinstance(approvers, bool) or not isinstance(approvers, int) or approvers < 1:
             raise ValueError(f"approvers must be a whole number, 1 or more, not {approvers!r}")

@@ -229,15 +229,18 @@ def _log(doc: dict[str, Any], key: str, entry: dict[str, Any], what: str) -> Non
 
 
 class SpendLedger:
-    """Reservations against spend caps, kept in `backend` next to the idempotency records."""
+    """Reservations against spend caps, kept in `backend` next to the idempotency records.
+    Raises nothing until used: each method says what it raises."""
 
     def __init__(self, backend: CacheBackend) -> None:
         self.backend = backend
 
     def check(self, key: str, amount: Money, caps: Sequence[Window]) -> list[dict[str, Any]]:
-        """Raise `SpendCapExceeded` if `amount` does not fit in every cap now (read only;
-        for refusing before asking anyone to approve). `reserve` decides for good.
-        Returns where each cap window of the amount's currency stands (for an approver)."""
+        """Raise `SpendCapExceeded` if `amount` does not fit in every cap window of `caps`
+        now, for the call under `key` (read only; for refusing before asking anyone to
+        approve). `reserve` decides for good. Returns where each window of the amount's
+        currency stands (for an approver); `LedgerUnavailable` if the store cannot be
+        read."""
         standing = []
         for w in caps:
             if w.cap.currency != amount.currency:
@@ -254,8 +257,9 @@ class SpendLedger:
         return standing
 
     def reserve(self, key: str, token: int, amount: Money, caps: Sequence[Window]) -> None:
-        """Reserve `amount` for the claim (`key`, `token`) in every cap of its currency, or
-        in none: `SpendCapExceeded` names the first cap it does not fit in."""
+        """Reserve `amount` for the claim (`key`, `token`) in every window of `caps` in its
+        currency, or in none: raises `SpendCapExceeded` naming the first cap it does not
+        fit in, `LedgerUnavailable` if the store cannot be written."""
         done: list[Window] = []
         try:
             for w in caps:
@@ -292,7 +296,9 @@ class SpendLedger:
         _gatestore.update(self.backend, w.key, change, _threshold_notes)
 
     def settle(self, key: str, token: int, caps: Sequence[Window], *, spent: bool) -> None:
-        """The claim's body is over: its reservation becomes spent, or is released."""
+        """The body of the claim (`key`, `token`) is over: its reservation in every window
+        of `caps` becomes spent (`spent=True`) or is released. Raises `LedgerUnavailable`
+        if the store cannot be written."""
         for w in caps:
 
             def change(doc: dict[str, Any] | None, now: float, w: Window = w) -> dict[str, Any]:
@@ -310,7 +316,8 @@ class SpendLedger:
 
     def budgets(self, *, settle: bool = True) -> list[Budget]:
         """Every cap window in the ledger; with `settle`, reservations whose call is over
-        are shown where they belong (nothing is written)."""
+        are shown where they belong (nothing is written). Raises `LedgerUnavailable` if the
+        store cannot be read."""
         found = []
         for doc in _gatestore.scan(self.backend, KIND):
             if settle:
