@@ -54,7 +54,10 @@ def backend_from_url(url: str) -> CacheBackend:
     """`sqlite:///relative.db`, `sqlite:////abs/ledger.db?synchronous=NORMAL`,
     `file:///abs/dir`, `memory://`, and the server schemes (postgresql://, redis://).
 
-    A malformed URL, an unknown scheme or option raises `LedgerConfigurationError`."""
+    `url` is the ledger URL. Raises `TypeError` for a `url` that is not a str,
+    `LedgerConfigurationError` for a malformed URL, an unknown scheme or option (or a
+    server backend whose client library is missing, naming the extra), and what the
+    backend's constructor raises."""
     if not isinstance(url, str):
         raise TypeError(f"a ledger URL is a str, not {type(url).__name__}")
     scheme = _scheme(url)

@@ -57,7 +57,13 @@ class FileLockCacheBackend(CacheBackend):
     """A ledger folder holding one JSON file per key (named by the key's SHA-256).
 
     The folder is created 0700 if absent; its parent must exist, unless
-    `create_parents=True`."""
+    `create_parents=True`. `directory` is that folder; `fsync=False` skips the syncs (a
+    crash of the host may then lose records); `lock_timeout_s` bounds the wait for a key's
+    lock. A folder another user owns or may write to (or a symlink) is refused unless
+    `allow_insecure_path=True`.
+
+    Raises `LedgerConfigurationError` for a folder that cannot hold a ledger (its parent
+    missing, insecure) and `LedgerUnavailable` for one that cannot be opened."""
 
     read_first = True  # a read is one open() of a local file: replays peek before claiming
 
@@ -116,7 +122,8 @@ class FileLockCacheBackend(CacheBackend):
     @classmethod
     def from_url(cls, url: str) -> Self:
         """`file:///absolute/dir` with the options `fsync`, `allow_insecure_path` and
-        `create_parents`; anything else is a `LedgerConfigurationError`."""
+        `create_parents`; anything else is a `LedgerConfigurationError`, as is a `url` that
+        is not an absolute file URL. Raises what the constructor raises."""
         options = local_options(url, _URL_OPTIONS, "file")
         with configuration_errors():
             return cls(cls.path_from_url(url), **options)

@@ -15,7 +15,8 @@ from ._options import local_options
 
 
 class InMemoryCacheBackend(CacheBackend):
-    """Not durable: every record is lost when the process ends. Use it in tests only."""
+    """Not durable: every record is lost when the process ends. Use it in tests only.
+    Raises nothing."""
 
     read_first = True
 
@@ -26,7 +27,8 @@ class InMemoryCacheBackend(CacheBackend):
 
     @classmethod
     def from_url(cls, url: str) -> Self:
-        """`memory://`, which takes no name, path or option."""
+        """`memory://`, which takes no name, path or option: any other `url` is a
+        `LedgerConfigurationError`."""
         local_options(url, {}, "memory")
         parts = urlsplit(url)
         if parts.netloc or parts.path.strip("/"):

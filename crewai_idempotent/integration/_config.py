@@ -191,6 +191,14 @@ class IdempotencyConfig:
       `slack+https://hooks.slack.com/...`, or `Channel` objects): this process delivers
       its ledger's outbox to them (docs/notifications.md); checked here. None defers to
       the next level, then to CREWAI_IDEMPOTENCY_NOTIFY.
+    - `approval`, `spend`, `caps`, `on_approval`, `approval_wait_s`: the approval gates
+      and spend caps, by tool name (see the `integration/_gates` docstring and
+      docs/approvals.md).
+
+    Raises `TypeError` for a `backend` that is neither a `CacheBackend` nor a URL,
+    `LedgerConfigurationError` for a setting that cannot be used (a misspelt name in a
+    dict, a bad URL or option, a value of the wrong kind) and `LedgerUnavailable` for a
+    server that does not answer; nothing runs.
     """
 
     backend: CacheBackend | str | None = None
@@ -337,8 +345,13 @@ def configure(
 ) -> IdempotencyConfig | None:
     """Set the process-wide default (below tool and crew settings, above the environment).
 
-    `configure(backend=..., on_uncertain=...)` or `configure(IdempotencyConfig(...))`;
-    `configure(None)` clears it. Returns the previous setting.
+    `configure(backend=..., on_uncertain=...)` or `configure(IdempotencyConfig(...))`:
+    `config` is an `IdempotencyConfig`, `settings` its fields by name; `configure(None)`
+    clears it. Returns the previous setting.
+
+    Raises `TypeError` for both or for something that is not an `IdempotencyConfig`,
+    `LedgerConfigurationError` for a misspelt setting (naming the close match) or one
+    that cannot be used, `LedgerUnavailable` for a server that does not answer.
     """
     global _process_config
     if config is not None and settings:

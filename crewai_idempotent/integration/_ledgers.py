@@ -35,7 +35,9 @@ announced: set[tuple[str, int]] = set()
 
 
 def default_ledger_path() -> Path:
-    """The embedded default: `crewai_idempotent.db` in crewai's storage folder."""
+    """The embedded default: `crewai_idempotent.db` in crewai's storage folder, which
+    depends on the current directory (or CREWAI_STORAGE_DIR). Nothing is created.
+    Raises nothing."""
     return Path(db_storage_path()) / DEFAULT_LEDGER_NAME
 
 

@@ -75,6 +75,8 @@ def _set(owner: Any, name: str, value: Any) -> None:
 
 
 def is_installed() -> bool:
+    """Whether `install()` has patched crewai (and `uninstall()` has not undone it since).
+    Raises nothing."""
     return _installed
 
 
@@ -87,6 +89,7 @@ def install() -> None:
     `crewai-idempotent doctor --self-test`). A release inside the range but newer than the
     newest tested one gets the full guard, and flagged tools wait for its self-test's
     verdict (`_verify`), unless that variable forces the question either way.
+    Raises nothing: a crewai it cannot patch is reported by a warning.
     """
     global _installed
     with _lock:
@@ -197,7 +200,7 @@ def uninstall() -> None:
     """Restore every attribute `install()` changed, and drop a pending activation (the
     start-up hook or `import crewai_idempotent` waiting for crewai), so that a later
     `import crewai` leaves crewai alone. Tools flagged while installed keep their guarded
-    function (they were declared idempotent); classes do not."""
+    function (they were declared idempotent); classes do not. Raises nothing."""
     global _installed
     with _lock:
         _undo()

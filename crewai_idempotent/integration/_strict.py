@@ -83,8 +83,10 @@ class IdempotentTool(BaseTool):
 def idempotent_tool(*args: Any, **options: Any) -> Any:
     """crewai's `@tool`, always idempotent: `@idempotent_tool("charge", idempotency_key=...)`.
 
-    Takes the same arguments and idempotency options as `@tool(..., idempotent=True)`;
-    `idempotent=False` is refused. The tool it makes carries its guard wherever it goes.
+    Takes the same `args` and idempotency `options` as `@tool(..., idempotent=True)`;
+    `idempotent=False` is refused (`ValueError`), and an option that cannot be used
+    raises where `@tool` would (`LedgerConfigurationError`, `TypeError`, `ValueError`).
+    The tool it makes carries its guard wherever it goes.
     """
     if options.get("idempotent", True) is not True:
         raise ValueError("idempotent_tool() makes idempotent tools; drop idempotent=False")

@@ -33,9 +33,14 @@ def idempotent(
 ) -> BaseTool:
     """A guarded copy of `tool` (a crewai_tools or MCP tool, or any BaseTool).
 
-    `key` (or `idempotency_key`) is the key template or callable; the other options are
-    those of `@tool(..., idempotent=True)`, approval gates and spend caps included
+    `key` (or `idempotency_key`) is the key template or callable; `wait_s`, `lease_s`,
+    `ttl`, `reconcile`, `on_stale`, `fingerprint` and `reconcile_timeout_s` are those of
+    `@tool(..., idempotent=True)`, and `gates` its approval gates and spend caps
     (`approval=`, `spend=`, `caps=`, ...). The original tool is left as it was.
+
+    Raises `TypeError` for a `tool` that is not a crewai BaseTool, and
+    `LedgerConfigurationError`, `TypeError` or `ValueError` for an option that cannot be
+    used, naming it.
     """
     from crewai.tools.base_tool import BaseTool, Tool
 

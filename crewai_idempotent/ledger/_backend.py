@@ -31,7 +31,9 @@ DOCUMENTS = "crewai-idempotent/"
 
 
 class CacheBackend(ABC):
-    """Base class of ledger stores. Subclasses must be safe to share between threads."""
+    """Base class of ledger stores. Subclasses must be safe to share between threads.
+    Each operation below says what it raises: `LedgerUnavailable` for a store that cannot
+    be used (the ledger treats anything else a store raises the same way: fail closed)."""
 
     #: True when a read is cheap and local (an embedded store): the guard then peeks
     #: before claiming, so a replay never takes the store's write lock. A server store
@@ -47,7 +49,8 @@ class CacheBackend(ABC):
 
     def now(self) -> float:
         """The store's clock in epoch seconds: the times records show, and what leases and
-        TTLs are judged by where there is no `host_clock`."""
+        TTLs are judged by where there is no `host_clock`. Raises `LedgerUnavailable` if
+        a server store cannot read its server's clock."""
         return time.time()
 
     def now_blocks(self) -> bool:
@@ -55,34 +58,43 @@ class CacheBackend(ABC):
 
         The async path then reads the clock on a worker thread before deciding, so the
         event loop never waits for a round trip. A store whose `now()` is local keeps this.
+        Raises nothing.
         """
         return False
 
     @abstractmethod
     def insert(self, record: Record) -> Record | None:
-        """Store `record` if no record has its key. Return None if stored, else the holder."""
+        """Store `record` if no record has its key, atomically and durably before it
+        returns. Return None if stored, else the record that holds the key. Raises
+        `LedgerUnavailable` if the store cannot be written (nothing is stored)."""
 
     @abstractmethod
     def replace(self, current: Record, new: Record) -> bool:
-        """Store `new` if the stored record still has `current`'s token and revision."""
+        """Store `new` if the stored record still has `current`'s token and revision,
+        atomically; True if it did. Raises `LedgerUnavailable` if the store cannot be
+        written."""
 
     @abstractmethod
     def get(self, key: str) -> Record | None:
-        """The record stored under `key`, or None."""
+        """The record stored under `key`, or None. Raises `LedgerUnavailable` if the
+        store cannot be read, `CorruptRecord` (one) if what it holds is not a record."""
 
     def peek(self, key: str) -> Peek | None:
         """What a replay needs of the record under `key` (status, fingerprint, expiry and
-        encoded result), or None. Stores override it to skip decoding the whole record."""
+        encoded result), or None. Stores override it to skip decoding the whole record.
+        Raises what `get` raises."""
         record = self.get(key)
         return None if record is None else Peek.of(record)
 
     @abstractmethod
     def scan(self, status: Status | None = None) -> Iterator[Record]:
-        """Every record (or every record in `status`), oldest update first."""
+        """Every record (or every record in `status`), oldest update first. Raises what
+        `get` raises."""
 
     @abstractmethod
     def delete(self, current: Record) -> bool:
-        """Remove the record if it is still `current`."""
+        """Remove the record if it is still `current` (same token and revision); True if it
+        did. Raises `LedgerUnavailable` if the store cannot be written."""
 
     def scan_prefix(self, prefix: str) -> Iterator[Record]:
         """Every record whose key starts with `prefix`, in key order (by code point).
@@ -95,7 +107,8 @@ class CacheBackend(ABC):
         return iter(found)
 
     def close(self) -> None:  # noqa: B027 - optional for stores that hold nothing open
-        """Release connections and file handles. The backend may not be used afterwards."""
+        """Release connections and file handles. The backend may not be used afterwards.
+        Raises nothing."""
 
     def __enter__(self) -> CacheBackend:
         return self

@@ -26,7 +26,8 @@ _FORBIDDEN = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 
 
 def validate_key(key: object) -> str:
-    """Return `key` if it is a usable idempotency key, else raise InvalidIdempotencyKey."""
+    """Return `key` if it is a usable idempotency key: a non-blank str of at most 512 UTF-8
+    bytes without control characters. Raises `InvalidIdempotencyKey` otherwise."""
     # Most keys are printable ASCII: no control character, no surrogate, one byte per
     # character, and blank only if every character is a space. Anything else is
     # checked in full below.
@@ -142,7 +143,10 @@ def canonical_json(value: Any) -> bytes:
 
 
 def fingerprint(args: Any) -> str:
-    """SHA-256 hex digest of the canonical JSON of `args`."""
+    """SHA-256 hex digest of the canonical JSON of `args` (RFC 8785; Decimal, datetime,
+    bytes, sets, enums and pydantic models by type-aware rules, a type's own
+    `__idempotency_fingerprint__()` where it has one). Raises `TypeError` for a value with
+    no canonical form."""
     return hashlib.sha256(canonical_json(args)).hexdigest()
 
 

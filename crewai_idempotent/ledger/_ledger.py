@@ -101,6 +101,17 @@ class Ledger(_Machine):
     shared backend) hosts, returning the stored result on every later call. See the
     README for the state machine.
 
+    `backend` is the store the records live in. The defaults of every call (each call may
+    give its own): `wait_s`, how long a call waits for another worker's live claim before
+    `OperationInProgress`; `lease_s`, how long a claim lives without a renewal (renewed
+    every `lease_s / 3` while its body runs); `ttl`, how long a receipt replays (None: for
+    ever); `on_stale`, what a lapsed lease gets ("uncertain", "reconcile" or "retry"; by
+    default "reconcile" when a call has a reconciler, else "uncertain").
+
+    `listener(kind, record)` is called on every claim, replay, commit, failure, conflict
+    and uncertain outcome (more with `add_listener`). `commit_retry_s` is how long a
+    commit is retried while the store is down before the record is left PENDING.
+
     `clock` (a `_policy.Clock`) measures this ledger's waits: `wait_s` on a live claim,
     the pauses between polls and between commit retries, the lease keeper's schedule, and
     a sync call's wait for its reconciler. Tests and simulations give one they move; by
@@ -109,6 +120,9 @@ class Ledger(_Machine):
     `reconcile_timeout_s` bounds how long a call waits for its reconciler's answer; past
     it the answer is `Unknown` (the record turns UNCERTAIN) and a late one is ignored.
     None waits without bound.
+
+    Raises `TypeError` for a `backend` that is not a `CacheBackend` or a duration that is
+    not a number, `ValueError` for a duration out of range.
     """
 
     def __init__(
@@ -150,16 +164,21 @@ class Ledger(_Machine):
         return f"Ledger({self.backend!r})"
 
     def add_listener(self, listener: Listener) -> None:
-        """Call `listener(kind, record)` on claim, replay, commit, fail, conflict, uncertain…"""
+        """Call `listener(kind, record)` on claim, replay, commit, fail, conflict, uncertain…
+
+        A listener that raises is logged; the call it reports on goes on. Raises nothing."""
         self._listeners.append(listener)
 
     def remove_listener(self, listener: Listener) -> None:
+        """Stop calling `listener`. Raises `ValueError` if it was not added."""
         self._listeners.remove(listener)
 
     # -- the guard ---------------------------------------------------------------------
 
     def run(self, key: str, fn: Callable[[], T], **options: Any) -> T:
-        """Run `fn()` once for `key`; later calls return its stored result."""
+        """Run `fn()` once for `key`; later calls return its stored result.
+
+        `options` are `execute`'s keywords. Raises what `execute` raises."""
         return self.execute(key, fn, **options).value
 
     def execute(
@@ -179,6 +198,21 @@ class Ledger(_Machine):
         stage: Stage | None = None,
     ) -> Outcome[T]:
         """Like `run`, but says whether the value was replayed and returns the record.
+
+        `key` names the operation (`validate_key`'s rules); `fn` is the body, called with
+        no arguments at most once while its outcome is known. `fingerprint` says what the
+        arguments were (`crewai_idempotent.fingerprint`): a later call under the same key
+        with another fingerprint is a conflict; `args` are handed to the reconciler.
+        `wait_s`, `lease_s`, `ttl`, `on_stale` and `reconcile_timeout_s` override this
+        ledger's defaults for the call; `reconcile(key, args)` answers `Found(result)`,
+        `Absent()` or `Unknown()` for a claim whose owner stopped renewing its lease.
+
+        Raises `InvalidIdempotencyKey` (a bad key), `IdempotencyKeyConflict` (the key was
+        used with other arguments), `OperationInProgress` (another worker holds a live
+        claim past `wait_s`), `OutcomeUncertain` (the outcome is unknown), `LedgerUnavailable`
+        (the claim could not be stored; the body did not run), whatever the body raises
+        (recorded FAILED, or UNCERTAIN for a timeout or `OutcomeUnknown`), and
+        `TypeError`/`ValueError` for an option that cannot be used.
 
         With `wrap_errors=True` an exception from the body is raised as `BodyFailed`
         (the body's exception is its `__cause__`) carrying how it was recorded.
@@ -252,7 +286,8 @@ class Ledger(_Machine):
             self._keeper.remove(claim)
 
     async def arun(self, key: str, fn: Callable[[], Awaitable[T]], **options: Any) -> T:
-        """Async twin of `run`: `fn()` returns an awaitable."""
+        """Async twin of `run`: `fn()` returns an awaitable; `key` and `options` as for
+        `execute`. Raises what `execute` raises."""
         return (await self.aexecute(key, fn, **options)).value
 
     async def aexecute(
@@ -271,9 +306,12 @@ class Ledger(_Machine):
         reconcile_timeout_s: float | None = _MISSING,
         stage: Stage | None = None,
     ) -> Outcome[T]:
-        """Async twin of `execute`. Waiting happens on the event loop; backend calls (the
-        stage's too) run on this ledger's own small thread pools, never the loop's default
-        executor."""
+        """Async twin of `execute`, with the same `key`, `fn` (returning an awaitable),
+        `fingerprint`, `args`, `wait_s`, `lease_s`, `ttl`, `reconcile` (sync or async),
+        `on_stale`, `wrap_errors`, `reconcile_timeout_s` and `stage`. Waiting happens on
+        the event loop; backend calls (the stage's too) run on this ledger's own small
+        thread pools, never the loop's default executor. A body cancelled while it runs
+        is recorded UNCERTAIN. Raises what `execute` raises."""
         validate_key(key)
         options = self._options(fingerprint, args, wait_s, lease_s, ttl, reconcile, on_stale)
         if reconcile_timeout_s is not _MISSING:
@@ -396,18 +434,24 @@ class Ledger(_Machine):
     # -- inspection and resolution -----------------------------------------------------
 
     def get(self, key: str) -> Record | None:
+        """The record stored under `key`, or None. Raises `LedgerUnavailable` if the store
+        cannot be read."""
         return self._drive(self._read(key))
 
     def records(self, status: Status | None = None) -> list[Record]:
+        """Every record (or every record in `status`), oldest update first. Raises
+        `LedgerUnavailable` if the store cannot be read."""
         return list(self._drive(self._scan(status)))
 
     def stats(self) -> LedgerStats:
         """What this ledger holds in this process: see `LedgerStats`. A read of in-process
-        state only; the store is not asked."""
+        state only; the store is not asked. Raises nothing."""
         return LedgerStats(len(self._rooms), tuple(r.key for r in self._keeper.claims()))
 
     def is_stale(self, record: Record) -> bool:
-        """True for a PENDING record whose owner stopped renewing its lease."""
+        """True for a PENDING `record` whose owner stopped renewing its lease, by the store's
+        clocks. Raises `LedgerUnavailable` for a live lease another host holds on a ledger
+        only one host may use (`Record.lease_left`)."""
         return record.status is Status.PENDING and not record.lease_live(
             self.backend.now(), self._host
         )
@@ -423,9 +467,15 @@ class Ledger(_Machine):
     ) -> Record:
         """Settle an UNCERTAIN (or stale PENDING) record after checking the outside system.
 
-        `result=...` says the operation happened: the record is COMMITTED and `result`
-        is replayed from now on. `absent=True` says it did not: the record is FAILED and
-        the next attempt runs. Who (`by`) and why (`reason`) are kept in its history.
+        `result=...` says the operation happened: the record under `key` is COMMITTED and
+        `result` is replayed from now on. `absent=True` says it did not: the record is
+        FAILED and the next attempt runs. Who (`by`, by default this user at this host)
+        and why (`reason`) are kept in its history.
+
+        Raises `ValueError` unless exactly one of `result` and `absent` is given,
+        `InvalidIdempotencyKey` for a bad key, `ResolutionRefused` for a record that is
+        neither UNCERTAIN nor PENDING with a lapsed lease (or is missing), and
+        `LedgerUnavailable` if the store cannot be written.
         """
         if (result is _MISSING) == (not absent):
             raise ValueError("pass exactly one of result=... or absent=True")
@@ -434,8 +484,10 @@ class Ledger(_Machine):
         return self._drive(self._resolve(key, result, absent, by, reason))
 
     def purge(self, *, expired_only: bool = True) -> int:
-        """Delete COMMITTED records whose TTL has passed (or, with expired_only=False,
-        every COMMITTED and FAILED record). UNCERTAIN and PENDING records are never purged."""
+        """Delete COMMITTED records whose TTL has passed (or, with `expired_only=False`,
+        every COMMITTED and FAILED record). UNCERTAIN and PENDING records are never purged.
+        Returns how many were deleted; raises `LedgerUnavailable` if the store cannot be
+        read or written."""
         removed = 0
         now = self.backend.now()
         for record in self.records():
@@ -447,6 +499,7 @@ class Ledger(_Machine):
         return removed
 
     def close(self) -> None:
+        """Stop this ledger's thread pools and close its backend. Raises nothing."""
         self._lanes.close()
         self.backend.close()
 

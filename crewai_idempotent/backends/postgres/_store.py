@@ -83,7 +83,7 @@ class PostgresCacheBackend(CacheBackend):
     `psycopg_pool.ConnectionPool` you manage (give its connections `autocommit=True` to
     save a round trip per operation; this backend never closes a pool it did not create).
 
-    The table (default `crewai_idempotency_records`, optionally in `schema`) is created or
+    The `table` (default `crewai_idempotency_records`, optionally in `schema`) is created or
     migrated on first use; its version is kept in `crewai_idempotency_schema`. Migrations
     take an advisory lock, so many workers can start at once.
 
@@ -102,6 +102,12 @@ class PostgresCacheBackend(CacheBackend):
 
     With `check_durability` (the default) the first use reads the server's durability
     settings and warns (`PostgresDurabilityWarning`) if one can lose an acknowledged claim.
+    `clock_refresh_s` is how often the server's clock is read again (leases and TTLs are
+    judged by it).
+
+    Raises `ValueError` for a duration or size out of range and `TypeError` for a
+    `dsn_or_pool` that is neither; nothing is connected until first use (or
+    `check_reachable()`).
     """
 
     def __init__(
@@ -180,7 +186,7 @@ class PostgresCacheBackend(CacheBackend):
     def from_url(cls, url: str) -> Self:
         """`postgresql://user:pass@host:port/db?table=...&max_size=...`; libpq's own
         parameters (sslmode, application_name, ...) go to libpq exactly as written; any
-        other option is refused (`LedgerConfigurationError`)."""
+        other option is refused (`LedgerConfigurationError`), as is a malformed `url`."""
         parts, options = split_server_options(
             url, "PostgreSQL", _OPTIONS, libpq_parameters(), _REFUSED
         )
@@ -488,7 +494,8 @@ class PostgresCacheBackend(CacheBackend):
     def durability(self) -> dict[str, str]:
         """The server's durability settings as this backend's sessions see them:
         `fsync`, `synchronous_commit`, `full_page_writes`, `synchronous_standby_names`,
-        and `standbys` (how many stream from it now). See `durability_problems`."""
+        and `standbys` (how many stream from it now). See `durability_problems`. Raises
+        `LedgerUnavailable` if the server cannot be asked."""
         return self._call(
             "reading its durability settings",
             lambda conn, _resent: _read_durability(conn),
@@ -658,7 +665,8 @@ class PostgresCacheBackend(CacheBackend):
         """Connect once, outside the pool, within connect_timeout_s, and hang up:
         `LedgerUnavailable` if the server does not answer. For a configuration step
         (`configure()`, `Crew(...)`), so that a wrong host or a server that is down is
-        reported where it was named. A pool passed in is yours to check."""
+        reported where it was named. A pool passed in is yours to check. Raises
+        `LedgerUnavailable` if the server does not answer."""
         if self._given_pool is not None:
             return
         try:

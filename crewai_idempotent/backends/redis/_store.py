@@ -82,6 +82,12 @@ class RedisCacheBackend(CacheBackend):
     and a landed claim then looks taken.
     With `check_persistence` (the default) the first use reads the server's persistence
     settings and warns (`RedisDurabilityWarning`) if a restart would lose the ledger.
+    `clock_refresh_s` is how often the server's clock is read again (leases and TTLs are
+    judged by it).
+
+    Raises `ValueError` for a duration or `retries` out of range and `TypeError` for a
+    `prefix` that is not a str or a `url_or_client` that is neither; nothing is connected
+    until first use (or `check_reachable()`).
     """
 
     def __init__(
@@ -188,7 +194,7 @@ class RedisCacheBackend(CacheBackend):
     def from_url(cls, url: str) -> Self:
         """`redis://[:password@]host:port/db?prefix=...`, `rediss://` for TLS; redis-py's
         own options (client_name, ssl_ca_certs, ...) go to redis-py exactly as written;
-        any other option is refused (`LedgerConfigurationError`)."""
+        any other option is refused (`LedgerConfigurationError`), as is a malformed `url`."""
         scheme = urlsplit(url).scheme.lower()
         parts, options = split_server_options(
             url, "Redis", _OPTIONS, redis_py_options(scheme), _REFUSED
@@ -202,7 +208,8 @@ class RedisCacheBackend(CacheBackend):
     def check_reachable(self) -> None:
         """One PING within timeout_s: `LedgerUnavailable` if the server does not answer.
         For a configuration step (`configure()`, `Crew(...)`), so that a wrong host or a
-        server that is down is reported where it was named."""
+        server that is down is reported where it was named. Raises `LedgerUnavailable`
+        then."""
         self._call("checking that it answers", lambda resent: self.client.ping(), retry=False)
 
     def _index(self, status: Status) -> str:

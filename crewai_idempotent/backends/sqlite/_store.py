@@ -98,6 +98,12 @@ class SQLiteCacheBackend(CacheBackend):
     a folder or file (or -wal, -shm) that another user owns or may write to, is refused
     unless `allow_insecure_path=True`; so is a ledger file deleted or replaced while the
     backend is open. Safe across fork(): see the module docstring.
+
+    `path` is the ledger file; `busy_timeout_s` how long a write waits for another
+    process's write lock before `LedgerUnavailable`. Raises `ValueError` for an unknown
+    `synchronous`, `LedgerConfigurationError` for a path that cannot hold a ledger (a
+    missing folder, one another user may write to, a symlink) and `LedgerUnavailable`
+    for a file that cannot be opened or is not a ledger.
     """
 
     read_first = True  # a read is local and cheap: replays peek before claiming
@@ -167,7 +173,8 @@ class SQLiteCacheBackend(CacheBackend):
         """`sqlite:///relative.db` (relative to the current directory, made absolute now),
         `sqlite:////abs/ledger.db`, with the options `synchronous`, `busy_timeout_s`,
         `allow_insecure_path` and `create_parents`; anything else is a
-        `LedgerConfigurationError`."""
+        `LedgerConfigurationError`, as is a `url` that does not name a file. Raises what
+        the constructor raises."""
         options = local_options(url, _URL_OPTIONS, "sqlite")
         path = cls.path_from_url(url)
         text = unquote(urlsplit(url).path[1:])
@@ -493,7 +500,8 @@ class SQLiteCacheBackend(CacheBackend):
         return None if doc is None else read_record(doc, self._where)
 
     def stats(self) -> SQLiteStats:
-        """What this backend is doing right now, in this process: see `SQLiteStats`."""
+        """What this backend is doing right now, in this process: see `SQLiteStats`.
+        Raises nothing."""
         group = self._group
         writing, queued = (False, 0) if group is None else group.state()
         return SQLiteStats(writing, queued, self._gate.closed)
