@@ -60,20 +60,12 @@ from ...ledger._record import Record, Status, read_record
 from .._clock import ServerClock
 from .._options import configuration_errors, flag, redact, split_server_options, with_options
 from ._deadline import GRACE_S, Budget, Connecting, watchdog
+from ._durability import durability_problems, read_durability
 from ._schema import DEFAULT_TABLE, SCHEMA_VERSION, Statements, check_version, migrate
 
 log = logging.getLogger("crewai_idempotent")
 
 T = TypeVar("T")
-
-
-# The settings that decide whether an acknowledged commit survives, as this session sees
-# them, and how many standbys stream from the server (a failover target).
-_DURABILITY = (
-    "SELECT current_setting('fsync'), current_setting('synchronous_commit'), "
-    "current_setting('full_page_writes'), current_setting('synchronous_standby_names'), "
-    "(SELECT count(*) FROM pg_stat_replication)"
-)
 
 
 class PostgresCacheBackend(CacheBackend):
@@ -498,13 +490,13 @@ class PostgresCacheBackend(CacheBackend):
         `LedgerUnavailable` if the server cannot be asked."""
         return self._call(
             "reading its durability settings",
-            lambda conn, _resent: _read_durability(conn),
+            lambda conn, _resent: read_durability(conn),
             retry=True,
         )
 
     def _warn_if_not_durable(self, conn: psycopg.Connection[Any]) -> None:
         try:
-            settings = _read_durability(conn)
+            settings = read_durability(conn)
         except psycopg.Error as exc:
             log.info("cannot read the durability settings of PostgreSQL at %s (%s)",
                      self.where, _one_line(exc))  # fmt: skip
@@ -677,67 +669,6 @@ class PostgresCacheBackend(CacheBackend):
                 f"connect_timeout_s={self.connect_timeout_s:g}: {_one_line(exc)}"
             ) from exc
         conn.close()
-
-
-def _read_durability(conn: psycopg.Connection[Any]) -> dict[str, str]:
-    row = conn.execute(_DURABILITY).fetchone()
-    assert row is not None
-    fsync, synchronous_commit, full_page_writes, standby_names, standbys = row
-    return {
-        "fsync": str(fsync),
-        "synchronous_commit": str(synchronous_commit),
-        "full_page_writes": str(full_page_writes),
-        "synchronous_standby_names": str(standby_names),
-        "standbys": str(standbys),
-    }
-
-
-def durability_problems(settings: dict[str, str]) -> list[tuple[str, str]]:
-    """Each setting (as `name=value`) that can lose a commit the server acknowledged, with
-    what it risks: a claim lost after its body started lets the body run again."""
-    found: list[tuple[str, str]] = []
-    on = {"on", "true", "yes", "1"}
-    if settings.get("fsync", "on").lower() not in on:
-        found.append((
-            "fsync=off",
-            "the server never forces its writes to disk: an operating-system crash or a "
-            "power loss can lose or corrupt acknowledged claims and receipts, and those "
-            "tools then run again. Set fsync=on",
-        ))  # fmt: skip
-    commit = settings.get("synchronous_commit", "on").lower()
-    if commit == "off":
-        found.append((
-            "synchronous_commit=off",
-            "commits are acknowledged before they reach the disk: a crash of the server "
-            "loses the last acknowledged claims (up to three times wal_writer_delay), and "
-            "those tools then run again. Set it on for the ledger's role or database "
-            "(ALTER ROLE ... SET synchronous_commit = on)",
-        ))  # fmt: skip
-    if settings.get("full_page_writes", "on").lower() not in on:
-        found.append((
-            "full_page_writes=off",
-            "an operating-system crash in the middle of a page write can leave the ledger "
-            "table torn beyond what the WAL can repair, losing acknowledged claims, and "
-            "those tools then run again. Leave it on unless the filesystem guarantees "
-            "atomic page writes",
-        ))  # fmt: skip
-    standbys = int(settings.get("standbys", "0") or 0)
-    names = settings.get("synchronous_standby_names", "").strip()
-    if standbys and not names:
-        found.append((
-            "synchronous_standby_names=''",
-            f"{standbys} standby server(s) replicate from this one asynchronously: a "
-            "failover to one can lose claims the primary acknowledged, and those tools "
-            "then run again. Name them in synchronous_standby_names (or accept the risk "
-            "of a failover)",
-        ))  # fmt: skip
-    elif standbys and names and commit == "local":
-        found.append((
-            "synchronous_commit=local",
-            f"commits do not wait for the synchronous standbys ({names}): a failover can "
-            "lose acknowledged claims. Use on or remote_apply for the ledger's role",
-        ))  # fmt: skip
-    return found
 
 
 def _alive(conn: psycopg.Connection[Any]) -> bool:
