@@ -23,7 +23,7 @@ from pathlib import Path
 from .._errors import LedgerConfigurationError, LedgerUnavailable
 
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
-_OVERRIDE = "pass allow_insecure_path=True if you accept that risk"
+_OVERRIDE = "allow_insecure_path=True accepts that risk"
 
 
 def _owner_name(uid: int) -> str:
@@ -41,13 +41,13 @@ def check_trusted(st: os.stat_result, path: Path, what: str) -> None:
     if st.st_uid not in (me, 0):
         raise LedgerUnavailable(
             f"{what} {path} is owned by {_owner_name(st.st_uid)}, not by this user "
-            f"({_owner_name(me)}) or root: its owner could rewrite or erase receipts. "
-            f"Use a ledger this user created, or {_OVERRIDE}"
+            f"({_owner_name(me)}) or root: its owner could rewrite or erase receipts "
+            f"({_OVERRIDE})"
         )
     if st.st_mode & _UNSAFE_BITS:
         raise LedgerUnavailable(
             f"{what} {path} is writable by group or others (mode {stat.filemode(st.st_mode)}): "
-            f"another user could rewrite or erase receipts. chmod it go-w, or {_OVERRIDE}"
+            f"another user could rewrite or erase receipts ({_OVERRIDE})"
         )
 
 
@@ -90,8 +90,8 @@ def require_parent(path: Path, what: str, create_parents: bool) -> None:
     raise LedgerConfigurationError(
         f"the folder {parent} for the {what} {path} does not exist{nearest}; "
         "a ledger creates only its own file or folder, so that a typo cannot start an empty "
-        "ledger beside the real one. Create the folder, or pass create_parents=True "
-        "(create_parents=true in a URL)"
+        "ledger beside the real one (create_parents=True, or create_parents=true in a URL, "
+        "makes the missing folders)"
     )
 
 
@@ -101,7 +101,7 @@ def private_folder(folder: Path, allow_insecure: bool, *, create_parents: bool =
     folder = folder.expanduser().absolute()
     if folder.is_symlink() and not allow_insecure:
         raise LedgerUnavailable(
-            f"ledger folder {folder} is a symlink; refusing it (pass allow_insecure_path=True)"
+            f"ledger folder {folder} is a symlink, which is refused ({_OVERRIDE})"
         )
     if not folder.exists():
         require_parent(folder, "ledger folder", create_parents)
@@ -138,9 +138,7 @@ def private_file(
     path = path.expanduser().absolute()
     require_parent(path, "ledger file", create_parents)
     if path.is_symlink() and not allow_insecure:
-        raise LedgerUnavailable(
-            f"ledger path {path} is a symlink; refusing it (pass allow_insecure_path=True)"
-        )
+        raise LedgerUnavailable(f"ledger path {path} is a symlink, which is refused ({_OVERRIDE})")
     try:
         sticky = not allow_insecure and path.parent.is_dir() and _shared_sticky(path.parent)
     except OSError as exc:
@@ -164,9 +162,7 @@ def private_file(
     except OSError as exc:
         raise LedgerUnavailable(f"cannot inspect ledger file {path}: {exc}") from exc
     if stat.S_ISLNK(st.st_mode):
-        raise LedgerUnavailable(
-            f"ledger path {path} is a symlink; refusing it (pass allow_insecure_path=True)"
-        )
+        raise LedgerUnavailable(f"ledger path {path} is a symlink, which is refused ({_OVERRIDE})")
     if not stat.S_ISREG(st.st_mode):
         raise LedgerUnavailable(f"ledger path {path} exists and is not a regular file")
     if not allow_insecure:

@@ -46,7 +46,7 @@ def _backend_class(scheme: str, url: str) -> Any:
             raise
         # The backend module's own ImportError names the extra to install.
         extra_name = f"crewai-idempotent[{extra}]"
-        hint = "" if extra_name in str(exc) else f"; install '{extra_name}'"
+        hint = "" if extra_name in str(exc) else f" (the '{extra_name}' extra installs it)"
         raise LedgerConfigurationError(f"{redact(url)}: {exc}{hint}") from exc
 
 
@@ -65,7 +65,7 @@ def backend_from_url(url: str) -> CacheBackend:
         known = ", ".join(sorted(SCHEMES))
         what = f"unknown ledger URL scheme {scheme!r}" if scheme else "no URL scheme"
         hint = (
-            f"; for a SQLite file write sqlite:///{url}"
+            f"; a SQLite file is sqlite:///{url}"
             if not scheme and url.endswith((".db", ".sqlite", ".sqlite3"))
             else ""
         )

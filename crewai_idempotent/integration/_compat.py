@@ -447,8 +447,8 @@ def untested_message(version: str, supported: str) -> str:
         f"crewai-idempotent is tested with crewai {supported}; crewai {version} is installed. "
         "The guard reaches into crewai internals this release may have changed, so tools "
         "flagged idempotent refuse to run (nothing was run); other tools and crews run as "
-        "usual. Install a tested crewai, or run `crewai-idempotent doctor --self-test` "
-        f"against this one and, if it passes, set {ALLOW_UNTESTED_ENV}=1."
+        "usual. `crewai-idempotent doctor --self-test` checks the guard against this "
+        f"release; {ALLOW_UNTESTED_ENV}=1 installs the full guard on it."
     )
 
 
@@ -458,8 +458,8 @@ def unverified_off_message(version: str, newest: str) -> str:
         f"crewai {version} is newer than the newest release crewai-idempotent is tested with "
         f"({newest}), and {ALLOW_UNTESTED_ENV}={value.strip()!r} turns off its self-test, so "
         "tools flagged idempotent refuse to run (nothing was run); other tools and crews run "
-        f"as usual. Unset {ALLOW_UNTESTED_ENV} to let the release verify itself, or set it "
-        "to 1 to run the full guard without a verdict."
+        f"as usual. Without {ALLOW_UNTESTED_ENV} the release verifies itself; with it set to "
+        "1 the full guard runs without a verdict."
     )
 
 

@@ -125,8 +125,8 @@ def check_reachable(backend: CacheBackend, where: str = "") -> None:
         raise LedgerUnavailable(
             f"{where + ': ' if where else ''}the ledger {url_of(backend)} is not reachable: "
             f"{str(exc).rstrip('.?! ')} (a server ledger is checked where it is configured; "
-            "for a process that starts before its server, pass check_reachable=False or set "
-            f"{CHECK_REACHABLE_ENV}=0, and the first guarded call reports it)"
+            f"with check_reachable=False or {CHECK_REACHABLE_ENV}=0, for a process that "
+            "starts before its server, the first guarded call reports it instead)"
         ) from exc
     _reached.add(backend)
 

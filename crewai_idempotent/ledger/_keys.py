@@ -124,9 +124,9 @@ def _canonical(value: Any) -> Any:
         return _canonical(dataclasses.asdict(value))
     name = type(value).__name__
     raise TypeError(
-        f"cannot fingerprint a value of type {name}: {value!r}. Give the tool a "
-        f"fingerprint= callable (its arguments -> JSON-able data), or define "
-        f"{name}.{FINGERPRINT_METHOD}(self) returning JSON-able data"
+        f"cannot fingerprint a value of type {name}: {value!r} has no canonical JSON form "
+        f"(a tool's fingerprint= callable, its arguments -> JSON-able data, or a "
+        f"{name}.{FINGERPRINT_METHOD}(self) method returning JSON-able data gives one)"
     )
 
 

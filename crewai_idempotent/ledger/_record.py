@@ -234,10 +234,8 @@ class Record:
             f"idempotency key {self.key!r} is held by {_label(self)} under a lease read on "
             f"boot {boot} of its host, and this host ({host.name}) is on boot {host.boot}: "
             "the ledger is shared between hosts (a network filesystem?), and an embedded "
-            "ledger cannot judge another host's lease. Nothing was run. Use PostgreSQL or "
-            "Redis for workers on several hosts; if the ledger was moved here and that host "
-            "no longer uses it, the record can be resolved once its lease has lapsed "
-            "(docs/backends.md, 'Clocks')"
+            "ledger cannot judge another host's lease. Nothing was run (docs/backends.md, "
+            "'Clocks', covers ledgers shared by hosts and ledgers moved between them)"
         )
 
     def restarted_under(self, host: HostClock | None) -> bool:

@@ -87,7 +87,7 @@ def test_a_three_slash_url_meant_as_absolute_names_the_four_slash_form(in_tmp: P
         backend_from_url("sqlite:///srv/app/ledger.db")
     message = str(refused.value)
     assert f"names {in_tmp / 'srv' / 'app' / 'ledger.db'} (three slashes" in message
-    assert "write sqlite:////srv/app/ledger.db (four slashes)" in message
+    assert "is sqlite:////srv/app/ledger.db (four slashes)" in message
     assert list(in_tmp.iterdir()) == []  # nothing made under the current directory
 
 

@@ -49,8 +49,8 @@ try:
     from psycopg_pool import ConnectionPool, PoolTimeout
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
-        f"the PostgreSQL ledger needs psycopg 3 and psycopg_pool ({exc}); "
-        "install them with: pip install 'crewai-idempotent[postgres]'"
+        f"the PostgreSQL ledger needs psycopg 3 and psycopg_pool ({exc}), which the "
+        "'crewai-idempotent[postgres]' extra installs"
     ) from exc
 
 from ..._errors import LedgerUnavailable, PostgresDurabilityWarning

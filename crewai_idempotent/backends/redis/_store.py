@@ -47,8 +47,8 @@ try:
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
-        f"the Redis ledger needs redis-py ({exc}); "
-        "install it with: pip install 'crewai-idempotent[redis]'"
+        f"the Redis ledger needs redis-py ({exc}), which the 'crewai-idempotent[redis]' "
+        "extra installs"
     ) from exc
 
 from ..._errors import LedgerUnavailable, RedisDurabilityWarning

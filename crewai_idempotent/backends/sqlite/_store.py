@@ -184,9 +184,9 @@ class SQLiteCacheBackend(CacheBackend):
                 # Meant as absolute, most likely: say so before anything is made.
                 raise LedgerConfigurationError(
                     f"{url} names {path} (three slashes: relative to the current directory, "
-                    f"as in SQLAlchemy), whose folder {path.parent} does not exist. For "
-                    f"{absolute} write {sqlite_url(absolute)} (four slashes); to start a "
-                    "ledger here, create the folder first or add ?create_parents=true"
+                    f"as in SQLAlchemy), whose folder {path.parent} does not exist; {absolute} "
+                    f"is {sqlite_url(absolute)} (four slashes), and ?create_parents=true "
+                    "makes the folders for a new ledger here"
                 )
         try:
             return cls(path, **options)
@@ -203,20 +203,20 @@ class SQLiteCacheBackend(CacheBackend):
         parts = urlsplit(url)
         if parts.netloc:
             raise LedgerConfigurationError(
-                f"{url!r}: a sqlite URL has no host ({parts.netloc!r}); write "
-                "sqlite:///relative.db or sqlite:////absolute/path.db"
+                f"{url!r}: a sqlite URL has no host ({parts.netloc!r}); its forms are "
+                "sqlite:///relative.db and sqlite:////absolute/path.db"
             )
         if not parts.path.startswith("/") or parts.path == "/":
             raise LedgerConfigurationError(
                 f"{url!r} names no file (SQLAlchemy's in-memory form is not a durable ledger; "
-                "use memory:// in tests); write sqlite:///relative.db or "
+                "memory:// is the test store); its forms are sqlite:///relative.db and "
                 "sqlite:////absolute/path.db"
             )
         text = unquote(parts.path[1:])
         if text == ":memory:":
             raise LedgerConfigurationError(
-                f"{url!r} is an in-memory SQLite database, not a durable ledger; use memory:// "
-                "in tests, or name a file"
+                f"{url!r} is an in-memory SQLite database, not a durable ledger (memory:// is "
+                "the test store)"
             )
         path = Path(text)
         if path.is_absolute():
@@ -228,9 +228,9 @@ class SQLiteCacheBackend(CacheBackend):
             # than start an empty ledger next to the one holding the receipts.
             raise LedgerConfigurationError(
                 f"{url!r} names {resolved} (three slashes: relative to the current directory, "
-                f"as in SQLAlchemy), which does not exist, while {absolute} does. For the "
-                f"existing ledger write sqlite:///{absolute} (four slashes); to start one "
-                "here, create the folder first or give the path as ./" + text
+                f"as in SQLAlchemy), which does not exist, while {absolute} does: the existing "
+                f"ledger is sqlite:///{absolute} (four slashes), a new one here "
+                "sqlite:///./" + text
             )
         return resolved
 
@@ -368,8 +368,8 @@ class SQLiteCacheBackend(CacheBackend):
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if mode.lower() != "wal":
             raise LedgerUnavailable(
-                f"ledger {self.path} cannot use WAL mode (got {mode!r}); "
-                "is it on a network or read-only filesystem?"
+                f"ledger {self.path} cannot use WAL mode (got {mode!r}), which SQLite refuses "
+                "on network and read-only filesystems"
             )
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
