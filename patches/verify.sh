@@ -88,7 +88,7 @@ cd "$repo"
 # transition; records cross between them as their shared JSON document.
 status=0
 CONFORMANCE_BACKENDS=crewai-core PYTHONPATH="$scratch/lib/crewai/src:$repo" "$python" -m pytest \
-    -p patches.conformance_core -p no:cacheprovider -q \
+    -p patches.conformance_core -p no:cacheprovider -q -n 0 \
     -W ignore::DeprecationWarning -W ignore::RuntimeWarning \
     tests/core/test_ledger_conformance.py || status=$?
 if [[ $status -ne 0 ]]; then

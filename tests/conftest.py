@@ -170,3 +170,22 @@ def _faketime_leaves_nothing_for_a_reused_pid() -> Iterator[None]:
                 os.unlink(os.path.join("/dev/shm", name))
         except OSError:
             pass  # alive under another user: not ours to judge
+
+
+# -- running in parallel -------------------------------------------------------------------
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: twice the cores. Most of a test's time is spent waiting on what it started
+    (fresh interpreters, worker processes, servers, leases to lapse), so a core serves two
+    workers; PYTEST_XDIST_AUTO_NUM_WORKERS says otherwise."""
+    given = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if given:
+        return int(given)
+    return max(2, min(2 * (os.cpu_count() or 1), 8))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long tests first, in collection order otherwise: a long one that starts last
+    would keep the whole run waiting for it alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

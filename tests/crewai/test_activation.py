@@ -49,6 +49,7 @@ charge.run(invoice="1")
 """
 
 
+@pytest.mark.slow
 def test_import_activates_with_the_start_up_hook_switched_off() -> None:
     after_crewai = _run(
         "import json, crewai\nfrom crewai.tools import tool\nimport crewai_idempotent\n"
@@ -217,6 +218,7 @@ print(json.dumps({{"charges": FakeProvider({str(provider)!r}).count()}}))
     assert report == {"charges": 1}
 
 
+@pytest.mark.slow
 def test_uninstall_drops_the_pending_import_hook(tmp_path: Path) -> None:
     """Before crewai is imported, `uninstall()` leaves nothing waiting for it: the later
     `import crewai` is crewai alone, whether the start-up hook or the import set it up."""
@@ -303,6 +305,7 @@ print(json.dumps({{
     }
 
 
+@pytest.mark.slow
 def test_lite_agent_is_patched_when_its_module_is_imported() -> None:
     """crewai.lite_agent is left to load when used; its kickoff gets the boundary then, and
     not after uninstall()."""

@@ -104,6 +104,7 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_the_worker_died_holding_its_claims(crashed: dict[str, Any]) -> None:
     assert crashed["before"] == {
         f"pay:inv-{path}-{invoice}": Status.PENDING for path in PATHS for invoice in ("a", "b")

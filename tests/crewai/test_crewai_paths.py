@@ -63,6 +63,7 @@ def test_a_check_fails_when_the_guard_is_not_in_front(
     assert not result.passed and "charges made ['inv-1', 'inv-1']" in result.detail
 
 
+@pytest.mark.slow
 def test_doctor_self_test_reports_every_check_as_it_finishes(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [PYTHON, "-m", "crewai_idempotent.cli", "doctor", "--self-test"],

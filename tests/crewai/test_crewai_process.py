@@ -360,6 +360,7 @@ print(json.dumps({"hooked": hooked, "imported_early": imported_early, "calls": l
 """
 
 
+@pytest.mark.slow
 def test_regular_wheel_install_activates_on_crewai_import(tmp_path: Path) -> None:
     import site
     import zipfile

@@ -153,6 +153,7 @@ def test_the_newest_tested_release_is_the_matrix_newest() -> None:
     assert all(is_tested(release) for release in releases)
 
 
+@pytest.mark.slow
 def test_many_workers_run_the_self_test_once_and_are_allowed_after_it(
     overlay: Path, tmp_path: Path
 ) -> None:
@@ -192,6 +193,7 @@ def test_many_workers_run_the_self_test_once_and_are_allowed_after_it(
     assert f"verdict      {verdict}" in doctor.stdout
 
 
+@pytest.mark.slow
 def test_a_self_test_killed_half_way_is_started_again(overlay: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     go = tmp_path / "go-inv-1"
@@ -247,6 +249,7 @@ def _break_native_tool_path(site: Path) -> str:
     return "native x uncertain"
 
 
+@pytest.mark.slow
 def test_a_broken_tool_path_is_refused_naming_the_failing_check(
     overlay: Path, tmp_path: Path
 ) -> None:
@@ -420,6 +423,7 @@ def _on_a_terminal(command: list[str], env: dict[str, str]) -> tuple[int, str]:
     return process.wait(timeout=TIMEOUT), b"".join(chunks).decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 def test_doctor_self_test_on_a_terminal_shows_progress_and_keeps_the_verdict(
     overlay: Path, tmp_path: Path
 ) -> None:

@@ -185,6 +185,7 @@ def test_a_worker_whose_clock_steps_never_takes_over_a_live_claim(scene: Scene) 
     _assert_one_charge(scene, "held", owner)
 
 
+@pytest.mark.slow
 def test_an_owner_whose_clock_steps_keeps_its_claim(scene: Scene) -> None:
     """Three owners whose clocks read +1 h, +1 day and -1 h (their wall-clock leases say
     lapsed long ago, or live for a day), each against three workers with the host's time."""

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("git") is None, reason="verify.sh applies the patch with git")
 def test_patch_applies_and_its_tests_pass() -> None:
     env = {**os.environ, "PYTHON": sys.executable, "CREWAI_IDEMPOTENT_AUTOLOAD": "0"}
