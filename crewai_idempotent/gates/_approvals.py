@@ -267,7 +267,9 @@ class Approvals:
         """Record that round `round` of a granted request ended unused: its grant expired
         (an "approval.expired" entry). None, and nothing written, while it has not, or
         once the request has moved on. The outbox's dispatcher calls it when the grant of
-        an approval it delivered runs out; a later call of the key opens a new round."""
+        an approval it delivered runs out; a later call of the key opens a new round.
+        Raises `ValueError` for an `rid` that is not a request id, and `LedgerUnavailable`
+        if the store cannot be written."""
         key = _doc_key(_check_id(rid))
 
         def change(doc: dict[str, Any] | None, now: float) -> dict[str, Any]:
@@ -307,8 +309,9 @@ class Approvals:
 
         Called under the claim (so one caller per key at a time). The request is the one
         for the claim's key and the arguments' `fingerprint`; `tool`, `reason`, `summary`
-        (the arguments as an operator sees them) and the `crew`, `task` and `kickoff` it
-        runs in are stored with a new one. `approvers`: how many distinct identities must
+        (the arguments as an operator sees them), the `crew`, `task` and `kickoff` it runs
+        in, the amount it would `spend` and its `origin` (the crew, task and agent that
+        asked, as people name them) are stored with a new one. `approvers`: how many distinct identities must
         approve; a stored request that asked for fewer is raised to it (a grant short of it
         is not live any more). Returns the grant it used; raises `ApprovalRequired` (a
         request was created, or is still waiting, or a grant expired or was spent and a new

@@ -191,8 +191,9 @@ class IdempotencyConfig:
       `slack+https://hooks.slack.com/...`, or `Channel` objects): this process delivers
       its ledger's outbox to them (docs/notifications.md); checked here. None defers to
       the next level, then to CREWAI_IDEMPOTENCY_NOTIFY.
-    - `approval`, `spend`, `caps`, `on_approval`, `approval_wait_s`: the approval gates
-      and spend caps, by tool name (see the `integration/_gates` docstring and
+    - `approval`, `approvers`, `spend`, `caps`, `on_approval`, `approval_wait_s`: the
+      approval gates (and how many distinct approvers each needs) and spend caps, by
+      tool name (see the `integration/_gates` docstring and
       docs/approvals.md).
 
     Raises `TypeError` for a `backend` that is neither a `CacheBackend` nor a URL,

@@ -101,7 +101,8 @@ class CacheBackend(ABC):
 
         What the outbox's dispatcher polls (`crewai-idempotent/outbox/`), so a store should
         answer it for the `DOCUMENTS` prefix without reading every record; this default
-        reads them all, which is right for a store of your own but slow at a million."""
+        reads them all, which is right for a store of your own but slow at a million.
+        Raises what `scan` raises (`LedgerUnavailable` when the store cannot be read)."""
         found = [record for record in self.scan() if record.key.startswith(prefix)]
         found.sort(key=lambda record: record.key)
         return iter(found)
