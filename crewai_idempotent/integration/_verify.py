@@ -28,6 +28,10 @@ The runner writes the verdict (a temporary file renamed over it), a line in
 self-test's report (`<subject>.log`). The cache folder and the verdict must be this
 user's (or root's: a verdict baked into an image) and writable by no one else: a verdict
 others could write would let them switch the guard on.
+
+The sections below (where verdicts live, what a verdict is about, the verdicts, running
+it once, what a guarded call asks, the runner) are one protocol between the first
+guarded call, the runner it starts and `doctor`: each side reads what the others write.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""One record per idempotency key, and the states it moves through."""
+"""One record per idempotency key, and the states it moves through.
+
+`Status`, `Owner`, `Event` and `Record` are the shapes of one stored document, `Peek` the
+light view a replay reads of it, and `read_record`/`read_peek` the one way every store
+reads a document back: the writer (`to_json`) and its readers are kept side by side, so
+a field added to one is seen added to the other.
+"""
 
 from __future__ import annotations
 
