@@ -379,7 +379,7 @@ class SQLiteCacheBackend(CacheBackend):
         if version > SCHEMA_VERSION:
             raise LedgerUnavailable(
                 f"ledger {self.path} has schema version {version}; this crewai-idempotent "
-                f"understands up to {SCHEMA_VERSION}. Upgrade crewai-idempotent."
+                f"understands up to {SCHEMA_VERSION}: a newer crewai-idempotent wrote it"
             )
         conn.execute("BEGIN IMMEDIATE")  # one migrator at a time across processes
         try:
@@ -535,7 +535,7 @@ class SQLiteCacheBackend(CacheBackend):
         sql: str = _SCAN_RANGE if end is not None else _SCAN_FROM
         params: tuple[str, ...] = (prefix,) if end is None else (prefix, end)
         rows = self._guard(_fetch_all, sql, params)
-        return iter([self._decode(row[0]) for row in rows])
+        return iter([read_record(row[0], self._where) for row in rows])
 
     def delete(self, current: Record) -> bool:
         return self._guard(_changed, _DELETE, (current.key, current.token, current.revision))
