@@ -138,8 +138,8 @@ class FileLockCacheBackend(CacheBackend):
         if parts.netloc not in ("", "localhost"):
             raise LedgerConfigurationError(
                 f"{url!r}: a file URL names a folder on this host; {parts.netloc!r} is read as "
-                f"a host name. Write file:///absolute/dir (did you mean file:///"
-                f"{parts.netloc}{parts.path}?)"
+                f"a host name; the folder /{parts.netloc}{parts.path} is file:///"
+                f"{parts.netloc}{parts.path}"
             )
         text = unquote(parts.path)
         if not text.startswith("/"):

@@ -230,7 +230,7 @@ class Approvals:
         round: int | None,
     ) -> ApprovalRequest:
         if not isinstance(by, str) or not by.strip():
-            raise ValueError("say who decides: by= must be a non-blank name")
+            raise ValueError("by= must name who decides, and it is blank")
         key = _doc_key(_check_id(rid))
 
         def change(doc: dict[str, Any] | None, now: float) -> dict[str, Any]:
@@ -239,7 +239,7 @@ class Approvals:
             if round is not None and doc["round"] != round:
                 raise ApprovalMovedOn(
                     f"approval request {rid} is in round {doc['round']} now, not {round} "
-                    f"({doc['state']}): look at it again before deciding"
+                    f"({doc['state']}): the decision was made on what it showed then"
                 )
             current = ApprovalState(doc["state"])
             allowed = (ApprovalState.PENDING,) + (
@@ -311,12 +311,13 @@ class Approvals:
         for the claim's key and the arguments' `fingerprint`; `tool`, `reason`, `summary`
         (the arguments as an operator sees them), the `crew`, `task` and `kickoff` it runs
         in, the amount it would `spend` and its `origin` (the crew, task and agent that
-        asked, as people name them) are stored with a new one. `approvers`: how many distinct identities must
-        approve; a stored request that asked for fewer is raised to it (a grant short of it
-        is not live any more). Returns the grant it used; raises `ApprovalRequired` (a
-        request was created, or is still waiting, or a grant expired or was spent and a new
-        round begins), `ApprovalDenied`, `ValueError` for an `approvers` that is not a
-        whole number of 1 or more, or `LedgerUnavailable` if the store cannot be used.
+        asked, as people name them) are stored with a new one. `approvers`: how many
+        distinct identities must approve; a stored request that asked for fewer is raised
+        to it (a grant short of it is not live any more). Returns the grant it used; raises
+        `ApprovalRequired` (a request was created, or is still waiting, or a grant expired
+        or was spent and a new round begins), `ApprovalDenied`, `ValueError` for an
+        `approvers` that is not a whole number of 1 or more, or `LedgerUnavailable` if the
+        store cannot be used.
         """
         if isinstance(approvers, bool) or not isinstance(approvers, int) or approvers < 1:
             raise ValueError(f"approvers must be a whole number, 1 or more, not {approvers!r}")

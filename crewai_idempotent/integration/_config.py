@@ -119,7 +119,9 @@ def _check_caps(where: str, value: Any) -> tuple[SpendCap, ...] | None:
             raise TypeError(f"{where}: caps must hold SpendCap objects, not {cap!r}")
     labels = [c.label for c in caps]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"{where}: two caps share a name {labels}; give them name=...")
+        raise ValueError(
+            f"{where}: two caps share a name {labels} (SpendCap's name= tells them apart)"
+        )
     return caps
 
 
@@ -327,8 +329,8 @@ class ToolOptions:
             others = sorted(k for k, v in given.items() if k != "idempotent" and v is not None)
             if others:
                 raise ValueError(
-                    f"{where}: idempotent=False together with {others}; "
-                    "drop those options or set idempotent=True"
+                    f"{where}: idempotent=False together with {others}, which apply only to "
+                    "a tool guarded with idempotent=True"
                 )
             return cls(idempotent=False)
         return cls(**{k: v for k, v in given.items() if v is not None or k == "idempotent"})
@@ -356,7 +358,7 @@ def configure(
     """
     global _process_config
     if config is not None and settings:
-        raise TypeError("pass an IdempotencyConfig or keyword settings, not both")
+        raise TypeError("configure() takes an IdempotencyConfig or keyword settings, not both")
     if config is not None and not isinstance(config, IdempotencyConfig):
         raise TypeError(f"configure() takes an IdempotencyConfig, not {type(config).__name__}")
     new = config if config is not None else (config_from("configure()", settings) or None)
@@ -533,7 +535,8 @@ def _resolve(
             backend, source = default_backend(), "default"
         except LedgerUnavailable as exc:
             raise LedgerConfigurationError(
-                f"the default ledger cannot be used: {exc}. Set {URL_ENV} or configure(backend=...)"
+                f"the default ledger cannot be used: {exc} ({URL_ENV} or configure(backend=...) "
+                "names another)"
             ) from exc
     announce(source, backend)
     ledger = ledger_for(backend)
@@ -605,6 +608,6 @@ def merge_crew_settings(
     if idempotency.backend is not None and idempotency.backend is not cache_backend:
         raise ValueError(
             f"{where}: cache_backend= and idempotency=IdempotencyConfig(backend=...) name two "
-            "different ledgers; give one"
+            "different ledgers, and a crew has one"
         )
     return replace(idempotency, backend=cache_backend)

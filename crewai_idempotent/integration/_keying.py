@@ -129,8 +129,8 @@ def template_fields(template: str) -> list[str]:
         root = name.split(".", 1)[0].split("[", 1)[0]
         if not root or root.isdigit():
             raise ValueError(
-                f"idempotency key template {template!r} uses a positional field; "
-                "name the arguments: '{order_id}'"
+                f"idempotency key template {template!r} uses a positional field; its fields "
+                "name the tool's arguments, as in '{order_id}'"
             )
         names.append(root)
     return names

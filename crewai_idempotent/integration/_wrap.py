@@ -49,7 +49,7 @@ def idempotent(
     if not isinstance(tool, BaseTool):
         raise TypeError(f"idempotent() takes a crewai BaseTool, not {type(tool).__name__}")
     if key is not None and idempotency_key is not None:
-        raise TypeError("idempotent(): give key= or idempotency_key=, not both")
+        raise TypeError("idempotent() takes key= or idempotency_key=, not both")
     install()
     options = ToolOptions(
         idempotent=True,

@@ -240,7 +240,7 @@ def test_a_table_migrated_by_a_newer_release_is_refused_and_nothing_runs(
         "UPDATE crewai_idempotency_schema SET version = 99 WHERE table_name = %s", (table,)
     )
     ran = []
-    with pytest.raises(LedgerUnavailable, match=r"schema version 99.*Upgrade crewai-idempotent"):
+    with pytest.raises(LedgerUnavailable, match=r"schema version 99.*newer crewai-idempotent"):
         pg_ledger(url).run("k", lambda: ran.append(1))
     assert ran == []
 

@@ -133,8 +133,8 @@ def check_version(version: int, sql: Statements, where: str) -> None:
     if version > SCHEMA_VERSION:
         raise LedgerUnavailable(
             f"ledger table {sql.label} at {where} has schema version {version}; "
-            f"this crewai-idempotent understands up to {SCHEMA_VERSION}. "
-            "Upgrade crewai-idempotent."
+            f"this crewai-idempotent understands up to {SCHEMA_VERSION}: a newer "
+            "crewai-idempotent wrote it"
         )
 
 

@@ -224,7 +224,7 @@ class PostgresCacheBackend(CacheBackend):
                 elif self._inherited:
                     raise LedgerUnavailable(
                         f"{self.url}: a ConnectionPool passed in cannot be used after fork(); "
-                        "create the pool and the backend in the child process"
+                        "only a pool and a backend made in the child process can"
                     )
                 else:
                     self._pool = self._given_pool

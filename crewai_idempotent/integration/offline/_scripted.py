@@ -126,7 +126,7 @@ def demo_ledger(
     from ...backends.sqlite import SQLiteCacheBackend, sqlite_url
 
     if ledger_url is not None and ledger_path is not None:
-        raise ValueError("give the demo's ledger as a URL or as a path, not both")
+        raise ValueError("the demo takes its ledger as a URL or as a path, not both")
     with contextlib.ExitStack() as stack:
         if ledger_url is not None:
             backend = backend_from_url(ledger_url)
