@@ -41,6 +41,8 @@ class Role(enum.StrEnum):
     OPERATOR = "operator"  # and resolve uncertain records, and purge expired receipts
 
     def may(self, action: str) -> bool:
+        """Whether this role may do `action`: "view", "decide", "resolve" or "purge". Raises
+        `KeyError` for another action."""
         return _RANK[self] >= _RANK[_NEEDS[action]]
 
 
@@ -51,14 +53,16 @@ _NEEDS = {"view": Role.VIEWER, "decide": Role.APPROVER, "resolve": Role.OPERATOR
 
 @dataclass(frozen=True, slots=True)
 class Account:
-    name: str
-    role: Role
-    password_hash: str | None
-    slack_user: str | None
-    disabled: bool
-    generation: int
-    created_at: float
-    updated_at: float
+    """One console account, as the accounts document keeps it."""
+
+    name: str  # 1-128 letters, digits and . _ @ + -, starting with a letter or digit
+    role: Role  # what it may do
+    password_hash: str | None  # its Argon2id hash; None: usable through the auth proxy only
+    slack_user: str | None  # the Slack user id linked to it, if any
+    disabled: bool  # a disabled account cannot log in, and its sessions end
+    generation: int  # bumped to end every session made before
+    created_at: float  # when it was added (store's clock)
+    updated_at: float  # when it last changed (store's clock)
 
     @classmethod
     def from_doc(cls, name: str, d: dict[str, Any]) -> Account:
@@ -114,23 +118,31 @@ def _hasher() -> Any:
 
 
 class Accounts:
-    """The accounts document of `backend`: read whole, changed by compare-and-set."""
+    """The accounts document of `backend`: read whole, changed by compare-and-set.
+    Making one raises nothing; every method raises `LedgerUnavailable` if the store
+    cannot be read (or, for a change, written), and each says what else it raises."""
 
     def __init__(self, backend: CacheBackend) -> None:
         self.backend = backend
         self._dummy: str | None = None
 
     def all(self) -> list[Account]:
+        """Every account, by name. Raises `LedgerUnavailable` if the store cannot be
+        read."""
         doc = _gatestore.read(self.backend, KEY) or {}
         found = doc.get("accounts", {})
         return sorted((Account.from_doc(n, d) for n, d in found.items()), key=lambda a: a.name)
 
     def get(self, name: str) -> Account | None:
+        """The account `name`, or None. Raises `LedgerUnavailable` if the store cannot be
+        read."""
         doc = _gatestore.read(self.backend, KEY) or {}
         entry = doc.get("accounts", {}).get(name)
         return None if entry is None else Account.from_doc(name, entry)
 
     def by_slack_user(self, user: str) -> Account | None:
+        """The account linked to the Slack user id `user`, or None. Raises
+        `LedgerUnavailable` if the store cannot be read."""
         return next((a for a in self.all() if a.slack_user == user), None)
 
     # -- changes (the CLI's `console users ...`) ------------------------------------
@@ -138,6 +150,12 @@ class Accounts:
     def add(
         self, name: str, role: Role | str, password: str | None, slack_user: str | None = None
     ) -> Account:
+        """A new account `name` with `role` (a `Role` or its name) and `password` (None:
+        usable through the auth proxy only), linked to the Slack user id `slack_user` if
+        given. Raises `AccountError` for a name, role, password (under 12 characters, or
+        the name) or Slack id that will not do, a name already taken, a Slack user linked
+        to another account, or a `password` without argon2-cffi to hash it; and
+        `LedgerUnavailable` if the store cannot be read or written."""
         name, role = check_name(name), check_role(role)
         if password is not None:
             check_password(name, password)
@@ -164,7 +182,12 @@ class Accounts:
         slack_user: str | bool | None = False,
         disabled: bool | None = None,
     ) -> Account:
-        """Change an account. `slack_user`: an id, None to unlink it, False to leave it."""
+        """Change the account `name`. `role`: a new role (None: as it is); `slack_user`:
+        an id, None to unlink it, False to leave it; `disabled`: True to disable it, False
+        to enable it (a change ends its sessions), None to leave it. Raises `AccountError`
+        for a name, role or Slack id that will not do, no such account, or a Slack user
+        linked to another account; and `LedgerUnavailable` if the store cannot be read or
+        written."""
         check_name(name)
         new_role = check_role(role) if role is not None else None
         if isinstance(slack_user, str):
@@ -186,8 +209,11 @@ class Accounts:
         return self._must(name)
 
     def set_password(self, name: str, password: str | None) -> Account:
-        """A new password (None: none, the account is for the auth proxy only); every
-        session of the account ends."""
+        """A new `password` for the account `name` (None: none, the account is for the
+        auth proxy only); every session of the account ends. Raises `AccountError` for a
+        name or password that will not do, no such account, or a `password` without
+        argon2-cffi to hash it; and `LedgerUnavailable` if the store cannot be read or
+        written."""
         check_name(name)
         if password is not None:
             check_password(name, password)
@@ -202,7 +228,9 @@ class Accounts:
         return self._must(name)
 
     def end_sessions(self, name: str) -> Account:
-        """Every session of the account ends at its next request."""
+        """Every session of the account `name` ends at its next request. Raises
+        `AccountError` for a name that will not do or no such account, and
+        `LedgerUnavailable` if the store cannot be read or written."""
 
         def change(entries: dict[str, Any], now: float) -> None:
             entry = _existing(entries, check_name(name))
@@ -213,6 +241,10 @@ class Accounts:
         return self._must(name)
 
     def remove(self, name: str) -> None:
+        """Delete the account `name`; its sessions end at their next request. Raises
+        `AccountError` for a name that will not do or no such account, and
+        `LedgerUnavailable` if the store cannot be read or written."""
+
         def change(entries: dict[str, Any], now: float) -> None:
             _existing(entries, check_name(name))
             del entries[name]
@@ -222,8 +254,10 @@ class Accounts:
     # -- logging in ---------------------------------------------------------------------
 
     def verify(self, name: str, password: str) -> Account | None:
-        """The account if `password` is its password and it may log in, else None. An
-        unknown name costs the same hash as a known one, so timing tells nothing."""
+        """The account `name` if `password` is its password and it may log in, else None.
+        An unknown name costs the same hash as a known one, so timing tells nothing; a hash
+        made with older parameters is replaced. Raises `AccountError` without argon2-cffi,
+        and `LedgerUnavailable` if the store cannot be read (or the new hash written)."""
         hasher = _hasher()
         account = self.get(name) if _NAME.match(name) else None
         stored = account.password_hash if account is not None else None

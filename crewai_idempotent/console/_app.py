@@ -75,9 +75,9 @@ SWEEP_S = 3600.0
 class Section:
     """One entry of the navigation: its name (templates mark the current one), path, label."""
 
-    name: str
-    path: str
-    label: str
+    name: str  # what a page's context calls it (`section`), to mark it current
+    path: str  # where it is served, e.g. "/approvals"
+    label: str  # what the navigation shows
 
 
 SECTIONS: tuple[Section, ...] = (
@@ -122,7 +122,12 @@ def local_path(target: str | None, default: str = "/approvals") -> str:
 
 
 class Console:
-    """What every request needs: the ledger, the accounts and sessions, the settings."""
+    """What every request needs: the ledger, the accounts and sessions, the settings.
+
+    `backend` is the ledger's store, `settings` how the console runs, `sections` its
+    navigation, `clock` what the login throttle counts its window by (`time.monotonic`;
+    tests give their own). Raises `TypeError` for a `backend` that is not a
+    `CacheBackend`."""
 
     def __init__(
         self,
@@ -153,28 +158,40 @@ class Console:
 
     def wake_dispatchers(self) -> None:
         """A decision made here wrote outbox entries with it: deliver them now rather than
-        at the next poll."""
+        at the next poll. Raises nothing."""
         for dispatcher in self.dispatchers:
             dispatcher.wake()
 
     # -- the request's facts --------------------------------------------------------------
 
     def peer(self, request: Request) -> str | None:
+        """The address of `request`'s TCP peer (never X-Forwarded-For), or None when the
+        server gives none. Raises nothing."""
         return request.client.host if request.client is not None else None
 
     def https(self, request: Request) -> bool:
+        """Whether the browser sent `request` over TLS: always when the settings say so
+        (`tls`, an https `public_url`), else by its scheme or a trusted proxy's
+        X-Forwarded-Proto. Raises nothing."""
         return self.settings.secure or self.trust.https(
             self.peer(request), request.url.scheme, request.headers.get("x-forwarded-proto")
         )
 
     def client(self, request: Request) -> str:
+        """The address `request` came from, for throttling and logs: the peer, or behind
+        trusted proxies the nearest X-Forwarded-For address that is not one of them
+        ("unknown" when there is none). Raises nothing."""
         return self.trust.client(self.peer(request), request.headers.get("x-forwarded-for"))
 
     def cookie_name(self, request: Request) -> str:
-        # __Host-: the browser keeps it only if Secure, for this host, path /.
+        """The session cookie's name for `request`: `__Host-crewai_console` over TLS (the
+        browser keeps it only if Secure, for this host, path /), else `crewai_console`.
+        Raises nothing."""
         return "__Host-crewai_console" if self.https(request) else "crewai_console"
 
     def origins(self, request: Request) -> set[str]:
+        """The origins a form may be sent from: `public_url`'s, else the one `request` was
+        sent to (its scheme and Host). Raises nothing."""
         public = self.settings.public_origin
         if public is not None:
             return {public}
@@ -183,6 +200,8 @@ class Console:
         return {f"{scheme}://{host}".lower()}
 
     def set_session_cookie(self, request: Request, response: Response, token: str) -> None:
+        """Set the session cookie holding `token` on `response`: HttpOnly, SameSite=Strict,
+        path /, Secure when `request` came over TLS. Raises nothing."""
         response.set_cookie(
             self.cookie_name(request), token, httponly=True, samesite="strict",
             secure=self.https(request), path="/",
@@ -191,8 +210,9 @@ class Console:
     # -- who is asking ------------------------------------------------------------------
 
     def identify(self, request: Request) -> tuple[Who | None, str | None, Response | None]:
-        """(who, a new session token to set, or a refusal). No identity and no refusal:
-        the caller sends the browser to log in."""
+        """(who, a new session token to set, or a refusal) for `request`. No identity and
+        no refusal: the caller sends the browser to log in. Raises `LedgerUnavailable` if
+        the store cannot be read or written (a session is touched, started or ended)."""
         if self.settings.auth == "proxy":
             return self._from_proxy(request)
         session = self._session(request)
@@ -246,7 +266,8 @@ class Console:
 
     def still(self, who: Who, token: str | None) -> bool:
         """Whether `who`'s session (the cookie `token`) may go on: the account still there,
-        enabled, its sessions not ended since."""
+        enabled, its sessions not ended since. Raises `LedgerUnavailable` if the store
+        cannot be read (or an ended session deleted)."""
         account = self.accounts.get(who.name)
         if account is None or account.disabled:
             return False
@@ -260,12 +281,21 @@ class Console:
     # -- every page and form --------------------------------------------------------------
 
     async def endpoint(self, request: Request, action: str, handler: Handler) -> Response:
+        """Answer `request` with `handler` if who sends it may do `action`: a POST's form
+        is read here, the rest is `handle`'s, on a worker thread. Raises what reading the
+        form and `handle` raise."""
         form = await request.form() if request.method == "POST" else None
         return await run_in_threadpool(self.handle, request, form, action, handler)
 
     def handle(
         self, request: Request, form: FormData | None, action: str, handler: Handler
     ) -> Response:
+        """Identify who sends `request`, refuse what they may not do (`action`: "view",
+        "decide", "resolve" or "purge"), check that a POST comes from the console's own
+        origin with its session's CSRF token in `form`, then answer with `handler(console,
+        request, who, form)`, setting a new session's cookie. An `IdempotencyError` from
+        `handler` (the ledger did not answer) is a 503 page. Raises what `identify` raises,
+        `KeyError` for an unknown `action`, and whatever else `handler` raises."""
         who, token, refused = self.identify(request)
         if refused is not None:
             return refused
@@ -311,9 +341,14 @@ class Console:
     def refusal(
         self, request: Request, status: int, message: str, who: Who | None = None
     ) -> Response:
+        """The page saying `message`, with the HTTP `status`, for `request` from `who`
+        (None: no one logged in). Raises what `context` raises."""
         return html("message.html", status, **self.context(request, who, None), message=message)
 
     def context(self, request: Request, who: Who | None, section: str | None) -> dict[str, Any]:
+        """What every page's template is given: `who` (None: no one logged in) and their
+        CSRF token, the navigation with `section` marked, the ledger, the store's clock,
+        `request`'s path. Raises `LedgerUnavailable` if the store's clock cannot be read."""
         return {
             "who": who, "sections": self.sections, "section": section, "ledger": self.label,
             "csrf": who.session.csrf if who is not None and who.session is not None else "",
@@ -324,6 +359,9 @@ class Console:
     # -- what runs beside it --------------------------------------------------------------
 
     async def sweep_sessions(self) -> None:
+        """Delete the ended sessions every hour for as long as the console runs (started
+        by its lifespan). Raises nothing: a sweep that fails is logged, and only
+        cancelling the task ends it."""
         while True:
             try:
                 removed = await asyncio.to_thread(self.sessions.sweep)
@@ -772,7 +810,9 @@ def create_app(
     clock: Callable[[], float] = time.monotonic,
 ) -> Starlette:
     """The console over `backend` as an ASGI application. `sections` and `routes` add
-    pages; each `background` coroutine runs (given the `Console`) while the app does."""
+    pages; each `background` coroutine runs (given the `Console`) while the app does.
+    `settings`: `ConsoleSettings()` when None; `clock` as for `Console`. Raises
+    `TypeError` for a `backend` that is not a `CacheBackend`."""
     settings = settings or ConsoleSettings()
     console = Console(backend, settings, (*SECTIONS, *sections), clock)
 

@@ -31,7 +31,8 @@ async def _until_cancelled() -> None:
 def dispatching(dispatcher: Dispatcher) -> Background:
     """A job delivering the outbox with `dispatcher` while the console runs. Each try it
     makes also prompts the open pages' live update, so a delivery shows without waiting
-    for the next refresh."""
+    for the next refresh. Raises nothing; at shutdown the job closes `dispatcher` (its
+    channels too)."""
 
     async def job(console: Console) -> None:
         loop = asyncio.get_running_loop()
@@ -59,7 +60,9 @@ def dispatching(dispatcher: Dispatcher) -> Background:
 
 def sweeping(sweeper: Sweeper, interval_s: float = 30.0) -> Background:
     """A job settling UNCERTAIN records and stale claims with `sweeper` every
-    `interval_s` while the console runs (`Sweeper.start`, stopped at shutdown)."""
+    `interval_s` while the console runs (`Sweeper.start`, stopped at shutdown). Raises
+    nothing here; the job raises what `Sweeper.start` raises for `interval_s` (`TypeError`,
+    `ValueError`) as the console starts."""
 
     async def job(console: Console) -> None:
         watching = sweeper.start(interval_s)

@@ -88,7 +88,14 @@ def serve(
     background: Sequence[Background] = (),
 ) -> None:
     """Serve the console until interrupted; `background` jobs (`_beside`: the dispatcher,
-    the sweeper) run as long as it does."""
+    the sweeper) run as long as it does.
+
+    `backend` and `settings` as for `create_app`. It listens on `host` and `port` (port 0:
+    a free one, said before serving), with TLS of its own from the PEM files `tls_cert`
+    and `tls_key`; `log_level` is uvicorn's. `say` is told what an operator should read:
+    where it listens, and what to know first (no TLS beyond loopback, the Host names it
+    answers to). Raises `ListenError` when it cannot listen there, and what `create_app`
+    and uvicorn raise (TLS files it cannot load, among them)."""
     import uvicorn
 
     sock = bind(host, port)

@@ -37,8 +37,16 @@ class ConsoleSettings:
     - `session_ttl_s` / `idle_s`: a session ends that long after login / without a request.
     - `refresh_s`: how often the ledger is read for live updates while a page is open.
     - `slack_signing_secret`: enables Slack's button posts at /slack/interactive;
-      `slack_team`: only that workspace's; `slack_grant_ttl_s`: a Slack approval's grant.
+      `slack_team`: only that workspace's; `slack_grant_ttl_s`: a Slack approval's grant;
+      `slack_response_prefix`: the only URL prefix a click's answer is posted to.
+    - `login_failures_per_name` / `login_failures_per_address`: failed logins allowed per
+      account name / client address within `login_window_s`; past them the login form
+      answers 429 until the window has passed.
     - `tls`: the console serves TLS itself (cookies are then Secure).
+
+    Raises `ValueError` naming the setting that cannot work: an unknown `auth`, "proxy"
+    without `trusted_proxies`, a malformed address, header name or `public_url`, a
+    duration or limit out of range, a `slack_signing_secret` that is not Slack's.
     """
 
     auth: str = "accounts"

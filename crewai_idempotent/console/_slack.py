@@ -109,11 +109,14 @@ def parse(body: bytes) -> Click:
 
 
 def button_value(request: ApprovalRequest) -> str:
+    """What the buttons of the approval `request`'s message carry: its id and round
+    (`ap_...:N`), so a click decides only the round it was shown. Raises nothing."""
     return f"{request.id}:{request.round}"
 
 
 def actions_block(request: ApprovalRequest) -> dict[str, Any]:
-    """The Approve / Deny buttons for a request's Slack message (Block Kit)."""
+    """The Approve / Deny buttons for the Slack message of the approval `request` (a
+    Block Kit actions block). Raises nothing."""
     value = button_value(request)
     return {
         "type": "actions",

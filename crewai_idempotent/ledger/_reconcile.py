@@ -42,7 +42,8 @@ _reconciling: contextvars.ContextVar[Record | None] = contextvars.ContextVar(
 
 def reconciling() -> Record | None:
     """The record a reconciler is being asked about, while it runs (None elsewhere): its
-    history says when the claim was made, its `call` what was recorded of the call."""
+    history says when the claim was made, its `call` what was recorded of the call.
+    Raises nothing."""
     return _reconciling.get()
 
 
@@ -216,7 +217,9 @@ _named_lock = threading.Lock()
 class NamedReconciler:
     """A reconciler named by its import path, `"package.module:attribute"`, imported the
     first time it is asked (so that a tool module and its reconciler's module may import
-    each other). An async function named so is awaited on the async path, as any is."""
+    each other). An async function named so is awaited on the async path, as any is.
+    `path` is the import path (`named` checks it and makes the object); nothing is raised
+    here, where the path is only kept: it is imported when the reconciler is first asked."""
 
     __slots__ = ("_target", "path")
 
@@ -225,8 +228,9 @@ class NamedReconciler:
         self._target: Callable[[str, Any], Any] | None = None
 
     def resolve(self) -> Callable[[str, Any], Any]:
-        """The callable the path names (imported now if it was not yet); ImportError or
-        AttributeError say what is missing, TypeError that it is not callable."""
+        """The callable the path names (imported now if it was not yet). Raises
+        `ImportError` or `AttributeError` saying what is missing, `TypeError` if it is not
+        callable."""
         target = self._target
         if target is None:
             module_name, _, attribute = self.path.partition(":")
@@ -256,9 +260,10 @@ class NamedReconciler:
 def named(path: str) -> NamedReconciler:
     """The reconciler `path` names (`"package.module:attribute"`), one object per path.
 
-    The path must be well formed and its module must exist (ValueError otherwise, here,
-    where the path is given); the module is imported when the reconciler is first asked,
-    or now if it already has been (then a missing attribute is an error here too)."""
+    The path must be well formed and its module must exist: raises `ValueError`
+    otherwise, here, where the path is given; the module is imported when the reconciler
+    is first asked, or now if it already has been (then a missing attribute is an error
+    here too)."""
     if not isinstance(path, str) or not _PATH.fullmatch(path.strip()):
         raise ValueError(
             f"reconcile={path!r}: an import path is 'package.module:function' "

@@ -40,7 +40,12 @@ DEFAULT_TIMEOUT_S = 10.0
 
 class Channel(ABC):
     """Somewhere entries go. `send` delivers one message or raises `DeliveryFailed`;
-    every try of one entry carries the same `message.id`, for the receiver to deduplicate."""
+    every try of one entry carries the same `message.id`, for the receiver to deduplicate.
+
+    `target` is where it sends (the URL after `channel+`, without the fragment), `options`
+    the fragment's options (`name`, `types`, `timeout_s` and the channel's own). Raises
+    `LedgerConfigurationError` for a `timeout_s` that is not a positive number of seconds.
+    """
 
     scheme: ClassVar[str]
 
@@ -53,10 +58,15 @@ class Channel(ABC):
         self.timeout_s = _seconds(options.get("timeout_s"), DEFAULT_TIMEOUT_S, self.scheme)
 
     def wants(self, entry_type: str) -> bool:
+        """Whether entries of `entry_type` go to this channel: it matches one of the
+        channel's `types` patterns. Raises nothing."""
         return any(fnmatch.fnmatchcase(entry_type, pattern) for pattern in self.types)
 
     @abstractmethod
-    def send(self, message: Message) -> None: ...
+    def send(self, message: Message) -> None:
+        """Deliver `message` once. Raises `DeliveryFailed` when it was not delivered (with
+        the HTTP status and Retry-After, if any, for the backoff); the dispatcher tries
+        again later with the same `message.id`."""
 
     @property
     def url(self) -> str:
@@ -77,7 +87,8 @@ _SEPARATOR = re.compile(r"\s+|,\s*(?=[A-Za-z][A-Za-z0-9.-]*\+)")
 
 
 def register(scheme: str, make: Callable[[str, Mapping[str, str]], Channel]) -> None:
-    """Add a channel kind: `scheme+target#options` URLs are given to `make(target, options)`."""
+    """Add a channel kind: `scheme+target#options` URLs are given to `make(target, options)`.
+    A `scheme` registered again is replaced. Raises nothing."""
     _CHANNELS[scheme] = make
 
 
@@ -92,7 +103,9 @@ def _known() -> dict[str, Callable[[str, Mapping[str, str]], Channel]]:
 
 
 def channel_from_url(url: str) -> Channel:
-    """The channel a URL names (see the module's docstring)."""
+    """The channel `url` names (see the module's docstring). Raises
+    `LedgerConfigurationError` for a `url` that is not `channel+target`, an unknown channel,
+    an option given twice, or a setting the channel refuses (the message names the URL)."""
     if not isinstance(url, str) or "+" not in url.split("://", 1)[0]:
         raise LedgerConfigurationError(
             f"not a notification channel URL: {_shown(str(url))!r}; write CHANNEL+TARGET, such "
@@ -120,8 +133,11 @@ def channel_from_url(url: str) -> Channel:
 
 
 def channels_from(value: Any, where: str = "notify") -> tuple[Channel, ...]:
-    """Channels from a setting: a URL, a `Channel`, or a list of them (a string may hold
-    several URLs, separated by spaces, or by commas before each next `channel+`)."""
+    """Channels from a setting: `value` is a URL, a `Channel`, or a list of them (a string
+    may hold several URLs, separated by spaces, or by commas before each next `channel+`);
+    None is none. `where` names the setting in messages. Raises `TypeError` for a `value`
+    (or an item of it) that is neither a URL nor a `Channel`, and `LedgerConfigurationError`
+    for a URL `channel_from_url` refuses or two channels with the same name."""
     if value is None:
         return ()
     items: Iterable[Any] = [value] if isinstance(value, str | Channel) else value

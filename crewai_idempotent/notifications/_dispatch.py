@@ -74,25 +74,32 @@ class Pass:
     failed, entries delivered to every channel, entries another dispatcher held, and
     entries still waiting for their transition."""
 
-    confirmed: int = 0
-    voided: int = 0
-    sent: int = 0
-    failed: int = 0
-    delivered: int = 0
-    busy: int = 0
-    waiting: int = 0
-    pending: int = 0
+    confirmed: int = 0  # unconfirmed entries whose transition was seen: now due
+    voided: int = 0  # unconfirmed entries whose transition never will be: deleted
+    sent: int = 0  # tries that delivered
+    failed: int = 0  # tries that failed
+    delivered: int = 0  # entries delivered to every channel, moved to the delivered ones
+    busy: int = 0  # entries another dispatcher held, or claimed first
+    waiting: int = 0  # entries still waiting for their transition
+    pending: int = 0  # entries left in the outbox after the pass
 
 
 class Dispatcher:
     """Delivers the outbox of the ledger kept in `backend` to `channels` (URLs or
     `Channel`s): at least once each, with backoff, one dispatcher per entry at a time.
 
+    `poll_s` is the pause between passes when nothing wakes it; a failed try is tried
+    again after `backoff_s`, doubling up to `backoff_max_s` (never before the receiver's
+    Retry-After); delivered entries are kept `retain_s` (30 days) for `notifications ls`.
     `name` identifies this dispatcher in claims and logs (host:pid:random by default);
-    `lease_s` is how long a claim holds an entry (longer than a try: every channel's
-    `timeout_s` plus a second); `clock` (`monotonic()`, `wait(event, s)`) is for tests.
+    `lease_s` is how long a claim holds an entry (longer than a try: the longest channel
+    `timeout_s` plus 2 s); `clock` (`monotonic()`, `wait(event, s)`) is for tests.
     `listener(event, entry)` hears "confirmed", "void", "sent", "failed" and "delivered",
     in the dispatcher's thread (the console's live view listens here).
+
+    Raises `TypeError` for a `backend` that is not a `CacheBackend`, what `channels_from`
+    raises for `channels`, and `ValueError` for no channel, a duration that is not a
+    positive number or a `lease_s` shorter than a try may take.
     """
 
     def __init__(
@@ -151,7 +158,8 @@ class Dispatcher:
     # -- running -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Run passes on a daemon thread until `stop()`."""
+        """Run passes on a daemon thread until `stop()`; a dispatcher already running is
+        left as it is. Raises nothing."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
@@ -162,6 +170,9 @@ class Dispatcher:
             self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """End `run` (on `start`'s thread or the caller's) after the pass in progress, and
+        wait up to `timeout` seconds for `start`'s thread to end (not when called from it).
+        Raises nothing."""
         self._stop.set()
         self._wake.set()
         thread = self._thread
@@ -170,20 +181,22 @@ class Dispatcher:
 
     def wake(self, soon: bool = False) -> None:
         """Run the next pass now; `soon`: in a moment, for an entry just written in this
-        process, whose transition is written right after it."""
+        process, whose transition is written right after it. Raises nothing."""
         if soon:
             self._soon = True
         self._wake.set()
 
     def forked(self) -> None:
-        """In a forked child: the parent's thread and locks are the parent's."""
+        """In a forked child: the parent's thread and locks are the parent's, so this one
+        gets its own and is not running (`start` it again). Raises nothing."""
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = None
 
     def run(self, stop: threading.Event | None = None) -> None:
-        """Run passes every `poll_s` until `stop` (or `stop()`) is set. A pass that fails
-        (the ledger does not answer) is logged and the next one waits longer."""
+        """Run passes every `poll_s` until `stop` (or `stop()`) is set. Raises nothing: a
+        pass that fails (the ledger does not answer) is logged and the next one waits
+        longer."""
         stop = stop or self._stop
         pause = self.poll_s
         while not stop.is_set() and not self._stop.is_set():

@@ -58,14 +58,20 @@ def stamp(at: float) -> str:
 
 
 def approval_link(console: str, request_id: str) -> str:
-    """Where the console shows (and decides) an approval request: `<console>/approvals/<id>`."""
+    """Where the console shows (and decides) an approval request: `<console>/approvals/<id>`.
+    `console` is the console's public origin (a trailing `/` is dropped), `request_id` the
+    request's `ap_...` id. Raises nothing."""
     return f"{console.rstrip('/')}/approvals/{request_id}"
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
     """One entry, ready to be said: `ledger` is the `--ledger` option the suggested
-    commands need (None for the CLI's default ledger), `ledger_url` the ledger as shown."""
+    commands need (None for the CLI's default ledger), `ledger_url` the ledger as shown.
+
+    `id` (the delivery id), `type`, `at`, `subject` and `data` are the entry's, as in
+    `Entry`. Made by `of`; making one raises nothing, and each method says what it raises.
+    """
 
     id: str
     type: str
@@ -99,7 +105,12 @@ class Message:
         return head
 
     def facts(self) -> list[tuple[str, str]]:
-        """(label, value) pairs a person reads first: what, where, how much, who."""
+        """(label, value) pairs a person reads first: what, where, how much, who.
+
+        Raises nothing for the entries the package writes; an entry of one of its types
+        `put` by hand with malformed data (no number where an amount or a time belongs, a
+        cap without its name) raises `ValueError`, `TypeError` or `KeyError` (a dispatcher
+        counts that as a failed try)."""
         d, t = self.data, self.type
         facts: list[tuple[str, str]] = []
 
@@ -176,12 +187,14 @@ class Message:
         return str(self.data.get("text") or TYPES.get(self.type, ""))
 
     def arguments(self) -> list[tuple[str, Any]]:
-        """The call's arguments, whole, when the entry is about a call."""
+        """The call's arguments, whole, when the entry is about a call (else none).
+        Raises nothing."""
         summary = self.data.get("summary")
         return list(summary.items()) if isinstance(summary, Mapping) else []
 
     def commands(self) -> dict[str, str]:
-        """The commands that act on what the entry is about, naming the ledger."""
+        """The commands that act on what the entry is about, naming the ledger (by name:
+        "approve", "deny", "show", "resolve"). Raises nothing."""
         d, ledger = self.data, self.ledger
         if self.type == "approval.requested":
             rid = str(d.get("id"))
@@ -205,7 +218,8 @@ class Message:
         return {}
 
     def body(self) -> dict[str, Any]:
-        """The webhook payload (Standard Webhooks' `type`, `timestamp`, `data`), whole."""
+        """The webhook payload (Standard Webhooks' `type`, `timestamp`, `data`), whole.
+        Raises nothing."""
         return {
             "type": self.type, "timestamp": dt.datetime.fromtimestamp(self.at, dt.UTC).isoformat(),
             "id": self.id, "subject": self.subject, "title": self.title,
@@ -213,7 +227,8 @@ class Message:
         }  # fmt: skip
 
     def plain(self, limit: int = 4000) -> str:
-        """The message as plain text (apprise, logs), arguments shortened to fit `limit`."""
+        """The message as plain text (apprise, logs), arguments shortened to fit `limit`
+        characters, which the whole text never exceeds. Raises what `facts` raises."""
         lines = [self.text, ""] if self.text else []
         lines += [f"{label}: {value}" for label, value in self.facts()]
         args = self.arguments()

@@ -214,9 +214,14 @@ def put(
 ) -> Entry:
     """Put an entry of `type` in the outbox of `backend`'s ledger, due at once.
 
-    `dedupe` makes it once-only: the same `type` and `dedupe` name the same entry, which
-    is written once however many processes put it (insert-if-absent) and returned as it
-    is stored. Without it every call is a new entry."""
+    `data` is what it says (a value JSON cannot hold is kept as its repr), `subject` the
+    idempotency key it is about, if any. `dedupe` makes it once-only: the same `type` and
+    `dedupe` name the same entry, which is written once however many processes put it
+    (insert-if-absent) and returned as it is stored. Without it every call is a new entry.
+
+    Raises `ValueError` for a `type` that is not dotted lower-case words, `TypeError` for
+    `data` that is not a mapping or a `dedupe` that is not a str, and `LedgerUnavailable`
+    if the store cannot be read or written."""
     check_type(type)
     if dedupe is not None and not isinstance(dedupe, str):
         raise TypeError(f"dedupe must be a str, not {dedupe!r}")
@@ -244,7 +249,9 @@ def alert(
     """Tell a person something the ledger's transitions do not: an entry of `type`
     (e.g. "alert.stale_uncertain") with a one-line `title`, a `text`, and `fields` shown
     as name: value. `subject` is the idempotency key it is about, if any; `dedupe`, as for
-    `put`, makes the alert once-only ("stale:<key>:<token>")."""
+    `put`, makes the alert once-only ("stale:<key>:<token>"). It goes in the outbox of
+    `backend`'s ledger. Raises `ValueError` for a blank `title`, `TypeError` for a `text`
+    that is not a str, and what `put` raises."""
     if not isinstance(title, str) or not title.strip():
         raise ValueError("an alert needs a title: a non-blank line")
     if not isinstance(text, str):
@@ -277,12 +284,12 @@ def _json(data: Mapping[str, Any]) -> dict[str, Any]:
 class Delivery:
     """Where one entry stands with one channel."""
 
-    channel: str
+    channel: str  # the channel's name
     state: str  # "pending" or "delivered"
-    attempts: int = 0
-    next_at: float | None = None
-    delivered_at: float | None = None
-    last_error: str | None = None
+    attempts: int = 0  # tries to this channel so far
+    next_at: float | None = None  # when the next try is due (store's clock), if one is
+    delivered_at: float | None = None  # when it was delivered (store's clock)
+    last_error: str | None = None  # why the latest failed try failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,17 +301,18 @@ class Entry:
     receiver deduplicates on: the same on every try, to every channel. `log` holds the
     latest tries, failed ones included; `tries` counts them all."""
 
-    id: str
-    type: str
-    at: float
-    subject: str | None
-    data: dict[str, Any]
-    state: str
-    confirmed_at: float | None = None
-    deliveries: tuple[Delivery, ...] = ()
-    log: tuple[dict[str, Any], ...] = ()
-    tries: int = 0
-    claimed_by: str | None = None
+    id: str  # the delivery id, `ob_` and 24 hex digits
+    type: str  # the entry type: one of `TYPES`, or an alert's own
+    at: float  # when it was written (store's clock)
+    subject: str | None  # the record's or document's key it is about, if any
+    data: dict[str, Any]  # what it says: the fields of its type
+    state: str  # "unconfirmed", "due" or "delivered"
+    confirmed_at: float | None = None  # when its transition was seen (`at` if none needed)
+    deliveries: tuple[Delivery, ...] = ()  # where it stands with each channel, by name
+    log: tuple[dict[str, Any], ...] = ()  # the latest tries, failed ones included
+    tries: int = 0  # every try so far
+    claimed_by: str | None = None  # the dispatcher whose claim it carries, if any
+    # The write it waits for (key, token, revision, mark); None when it needs none.
     source: dict[str, Any] | None = field(default=None, repr=False)
     seq: int = field(default=0, repr=False)  # the order of entries one write made
 
@@ -398,7 +406,8 @@ def _marks(held: Record, source: Mapping[str, Any]) -> bool:
 
 class Outbox:
     """The outbox of the ledger kept in `backend`: what needs a person, and how each
-    entry's deliveries went. Reading only; `Dispatcher` delivers."""
+    entry's deliveries went. Reading only; `Dispatcher` delivers. Making one raises
+    nothing; its methods raise `LedgerUnavailable` if the store cannot be read."""
 
     def __init__(self, backend: CacheBackend) -> None:
         self.backend = backend
@@ -406,7 +415,10 @@ class Outbox:
     def entries(self, *, include_delivered: bool = True, waiting: bool = False) -> list[Entry]:
         """Every entry whose transition happened, oldest first: an unconfirmed one is
         looked up, and shown as due once its transition is seen. With `waiting`, those
-        whose transition has not happened yet (and may never) too, as "unconfirmed"."""
+        whose transition has not happened yet (and may never) too, as "unconfirmed". With
+        `include_delivered` (the default), the entries delivered to every channel and not
+        pruned yet too. Raises `LedgerUnavailable` if the store cannot be read (or holds an
+        entry document that is not one: `CorruptRecord`)."""
         found = []
         for _record, doc in pending(self.backend):
             if doc["state"] == "unconfirmed":
@@ -421,7 +433,9 @@ class Outbox:
         return sorted(found, key=lambda e: (e.at, e.seq, e.id))
 
     def get(self, entry_id: str) -> Entry | None:
-        """The entry, if its transition happened (or if it waits for one: "unconfirmed")."""
+        """The entry, if its transition happened (or if it waits for one: "unconfirmed").
+        Raises `ValueError` for an `entry_id` that is not `ob_` and 24 hex digits, and
+        `LedgerUnavailable` if the store cannot be read."""
         check_id(entry_id)
         for prefix in (OUTBOX, DELIVERED):
             record = self.backend.get(prefix + entry_id)

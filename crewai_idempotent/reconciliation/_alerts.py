@@ -51,15 +51,15 @@ class Alert:
     `unknowns` how many Unknown answers in a row its reconciler gave.
     """
 
-    kind: AlertKind
-    reason: str
-    ledger: str
-    key: str | None = None
-    record: Record | None = field(default=None, repr=False, compare=False)
-    tool: str | None = None
-    age_s: float | None = None
-    unknowns: int = 0
-    at: float = field(default_factory=time.time, compare=False)
+    kind: AlertKind  # one of `ALERT_KINDS`
+    reason: str  # why it is raised, as a person reads it
+    ledger: str  # the ledger's URL
+    key: str | None = None  # the record's idempotency key
+    record: Record | None = field(default=None, repr=False, compare=False)  # as read
+    tool: str | None = None  # the tool whose call made the record
+    age_s: float | None = None  # how long the record has been open
+    unknowns: int = 0  # Unknown answers in a row
+    at: float = field(default_factory=time.time, compare=False)  # when (this host's clock)
 
     @property
     def id(self) -> str:
@@ -71,26 +71,35 @@ class Alert:
         return f"{self.kind}:{self.key}:{token}"
 
     def line(self) -> str:
+        """The alert as one log line: kind, key and ledger, reason. Raises nothing."""
         where = f"{self.key!r} in {self.ledger}" if self.key is not None else self.ledger
         return f"{self.kind}: {where}: {self.reason}"
 
 
 class AlertChannel(Protocol):
     """Where alerts go: `send` is called once per alert, from the sweeper's thread (an
-    async sweeper's: one of its ledger's threads, never the event loop)."""
+    async sweeper's: one of its ledger's threads, never the event loop).
 
-    def send(self, alert: Alert) -> None: ...
+    Any object with `send` is one; subclassing is optional, and the protocol itself is
+    never made (calling it raises `TypeError`)."""
+
+    def send(self, alert: Alert) -> None:
+        """Say `alert` to a person. It may raise anything: the sweeper logs it and goes on
+        to the next channel (an alarm never stops a sweep)."""
 
 
 class LogAlerts:
     """An alert as a WARNING (ERROR for an unreachable ledger) on the
     `crewai_idempotent.reconciliation` logger, and one on the `idempotency.reconcile.alerts`
-    counter when OpenTelemetry is configured (attributes: kind, backend)."""
+    counter when OpenTelemetry is configured (attributes: kind, backend). `logger`
+    replaces that logger. Raises nothing."""
 
     def __init__(self, logger: logging.Logger | None = None) -> None:
         self.log = logger or log
 
     def send(self, alert: Alert) -> None:
+        """Log `alert` (its `line`, the alert itself as `idempotency_alert` on the record)
+        and count it. Raises nothing."""
         level = logging.ERROR if alert.kind == "ledger_unreachable" else logging.WARNING
         self.log.log(level, "%s", alert.line(), extra={"idempotency_alert": alert})
         counter = _metrics().get("alerts")
@@ -115,6 +124,9 @@ class OutboxAlerts:
         return f"OutboxAlerts({self.backend!r})"
 
     def send(self, alert: Alert) -> None:
+        """Put `alert` in the outbox (`ledger_unreachable`: in the ledger's open incident,
+        which never raises). Raises what `notifications.alert` raises: `LedgerUnavailable`
+        if the store cannot be written."""
         if alert.kind == "ledger_unreachable":
             _incidents.alerted(self.backend, alert.id, alert.reason)
             return
@@ -153,7 +165,8 @@ def entry_fields(alert: Alert) -> dict[str, Any]:
 
 def default_channels(backend: CacheBackend | None = None) -> list[AlertChannel]:
     """The channels a sweeper sends alerts to when it is given none: the log and
-    OpenTelemetry, and with `backend` (the sweeper's ledger) that ledger's outbox."""
+    OpenTelemetry, and with `backend` (the sweeper's ledger) that ledger's outbox.
+    Raises nothing."""
     channels: list[AlertChannel] = [LogAlerts()]
     if backend is not None:
         channels.append(OutboxAlerts(backend))

@@ -50,6 +50,11 @@ class IdempotencyKeyVerifier:
     what the tool would have returned (by default the JSON body, else the text).
     `absent_on`: statuses that prove the operation was never done (none by default).
     `max_age_s`: the server's key retention; an older claim is Unknown, never re-sent.
+    `timeout_s`: each request's timeout, on the client the verifier makes; or give a ready
+    `client` (an `httpx.Client`, whose own settings apply).
+
+    Raises `TypeError` for both `json` and `content`, or a `url` that is neither a string
+    nor a function, and `ValueError` for a blank `method`.
     """
 
     def __init__(
@@ -90,13 +95,21 @@ class IdempotencyKeyVerifier:
         return f"IdempotencyKeyVerifier({self.method} {shown})"
 
     def client(self) -> httpx.Client:
+        """The `httpx.Client` requests go through: the one given, else one made at the
+        first request with `timeout_s` and shared by every thread. Raises nothing."""
         with self._lock:
             if self._client is None:
                 self._client = httpx.Client(timeout=self.timeout_s)
             return self._client
 
     def request(self, key: str, args: Any) -> httpx.Request:
-        """The request the verifier sends for this call."""
+        """The request the verifier sends for the call under `key` whose recorded
+        arguments are `args` (a mapping of them fills the `url` template, with `key`).
+
+        Raises `KeyError` or `IndexError` for a field of the `url` template the arguments
+        lack, and what the `url`, `json`, `content` and `key_value` functions or httpx
+        raise for a request that cannot be built; asked as a reconciler, any of them is
+        Unknown."""
         fields = {**(args if isinstance(args, Mapping) else {}), "key": key}
         url = self.url.format(**fields) if isinstance(self.url, str) else self.url(key, args)
         value = self.key_value(key, args) if self.key_value is not None else key

@@ -56,7 +56,8 @@ def lookup(
 ) -> Callable[[str, Any], Verdict]:
     """A reconciler from `find(key, args)`: the receipt (Found) when the operation
     happened, None (Absent) when it did not. What `find` raises is Unknown. An effect not
-    found for a claim younger than `settle_after_s` is Unknown ("not yet"), not Absent."""
+    found for a claim younger than `settle_after_s` is Unknown ("not yet"), not Absent.
+    Raises `TypeError` for a `find` that is not callable."""
     if not callable(find):
         raise TypeError(f"lookup() takes a callable (key, args) -> receipt | None, not {find!r}")
 
@@ -88,6 +89,11 @@ def sql_lookup(
     `%(key)s` for psycopg). One row is Found, its receipt `receipt(row)` (the row as a
     dict of its columns; by default the value of a one-column row, else the dict); no row
     is Absent (Unknown before `settle_after_s`); more than one row is Unknown.
+
+    Raises `ValueError` for a blank `query` or a `connect` URL that is not a
+    `sqlite:///path` or `postgresql://` one, and `TypeError` for a `connect` that is
+    neither a function nor a str. What the reconciler raises as it asks (the connection's,
+    the query's) is Unknown to the sweeper.
     """
     if not isinstance(query, str) or not query.strip():
         raise ValueError("sql_lookup() needs the query that finds the key's effect")

@@ -48,7 +48,9 @@ _from_tools: dict[str, Reconciler] = {}  # the tools built in this process
 
 def register(tool: str, reconciler: Reconciler | str) -> None:
     """Make `reconciler` (a callable, or its import path) the one a sweeper in this
-    process asks for the records of the tool named `tool`."""
+    process asks for the records of the tool named `tool`. Raises `ValueError` for a blank
+    `tool` or an import path that is malformed or names no module (`named`), and
+    `TypeError` for a `reconciler` that is neither callable nor a str."""
     if not isinstance(tool, str) or not tool.strip():
         raise ValueError(f"register(): a tool name is a non-empty string, not {tool!r}")
     with _lock:
@@ -56,7 +58,9 @@ def register(tool: str, reconciler: Reconciler | str) -> None:
 
 
 def reconciles(*tools: str) -> Callable[[Reconciler], Reconciler]:
-    """`@reconciles("charge_card")`: register the decorated function for these tools."""
+    """`@reconciles("charge_card")`: register the decorated function for the tools named
+    `tools`. Raises `TypeError` without a tool; decorating raises what `register` raises
+    (`ValueError` for a blank name)."""
     if not tools:
         raise TypeError("@reconciles(...) names at least one tool")
 
@@ -78,7 +82,8 @@ def remember_tool(tool: str, reconciler: Reconciler | str | None) -> None:
 
 
 def unregister(tool: str) -> None:
-    """Forget what `register` (or a tool built here) set for `tool`."""
+    """Forget what `register` (or a tool built here) set for `tool`. Raises nothing, for a
+    `tool` with nothing set too."""
     with _lock:
         _registered.pop(tool, None)
         _from_tools.pop(tool, None)

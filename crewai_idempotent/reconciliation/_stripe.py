@@ -53,7 +53,15 @@ class StripeVerifier:
     it stores none, so only `replay` can tell). `receipt(obj)`: what the tool returned for
     that object (default: its id). `window_s`: how long before the claim an object may
     have been created and still count (the hosts' clocks differ). `timeout_s`: each
-    request to Stripe.
+    request to Stripe. `search`: look up by Stripe's Search API rather than by listing
+    (PaymentIntents and Charges only); an empty search is Absent only once the claim is
+    older than `search_lag_s`. `replay(key, args)`: the create request's parameters, re-sent
+    with the key (see the module docstring); `retention_s`: Stripe's key retention, past
+    which (less `window_s`) a claim is never replayed.
+
+    Raises `ValueError` for an unknown `kind`, `search=True` for a kind Stripe's Search
+    API does not have, or `metadata_key=None` without `replay`. A missing API key is found
+    when Stripe is first asked (`client`), and every answer is then Unknown.
     """
 
     def __init__(
@@ -93,6 +101,10 @@ class StripeVerifier:
         return f"StripeVerifier({self.kind!r})"
 
     def client(self) -> stripe.StripeClient:
+        """The `stripe.StripeClient` the verifier asks: the one given, else one made at the
+        first request from `api_key` (else `STRIPE_API_KEY`, else `stripe.api_key`), with
+        `api_base`, `timeout_s` and no retries of its own (the sweeper asks again later).
+        Raises `stripe.AuthenticationError` when there is no API key."""
         with self._lock:
             if self._client is None:
                 key = self._api_key or os.environ.get("STRIPE_API_KEY") or stripe.api_key

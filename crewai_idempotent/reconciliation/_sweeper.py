@@ -59,11 +59,12 @@ class Result:
     """What came of one record in a pass. `outcome` is one of `OUTCOMES` (see `Swept`;
     "error": the ledger failed while the sweeper worked on it)."""
 
-    key: str
-    outcome: str
-    reason: str
-    tool: str | None = None
-    reconciler: str | None = None
+    key: str  # the record's idempotency key
+    outcome: str  # one of `OUTCOMES`
+    reason: str  # what came of it, as a person reads it
+    tool: str | None = None  # the tool whose call made the record, if known
+    reconciler: str | None = None  # the reconciler asked, as messages name it
+    # The record as the pass last wrote or read it.
     record: Record | None = field(default=None, repr=False, compare=False)
 
 
@@ -72,16 +73,18 @@ class Report:
     """One pass: a result per record looked at, the alerts raised, and `error` when the
     ledger could not be read at all."""
 
-    ledger: str
-    dry_run: bool
-    started: float
-    finished: float = 0.0
-    results: list[Result] = field(default_factory=list)
-    alerts: list[Alert] = field(default_factory=list)
-    error: str | None = None
+    ledger: str  # the ledger's URL (a password as `***`)
+    dry_run: bool  # whether the pass only said what it would ask
+    started: float  # when the pass began (this host's clock)
+    finished: float = 0.0  # when it ended (0 while it runs)
+    results: list[Result] = field(default_factory=list)  # one per record looked at
+    alerts: list[Alert] = field(default_factory=list)  # the alerts it raised
+    error: str | None = None  # why the ledger could not be read, if it could not
     open_uncertain: int | None = None  # UNCERTAIN records left in the ledger after the pass
 
     def counts(self) -> dict[str, int]:
+        """How many results had each of `OUTCOMES` (every outcome, 0 included). Raises
+        nothing."""
         counts = dict.fromkeys(OUTCOMES, 0)
         for result in self.results:
             counts[result.outcome] += 1
@@ -93,6 +96,8 @@ class Report:
         return counts["found"] + counts["absent"]
 
     def summary(self) -> str:
+        """The pass in one line: the ledger, how many records, the outcomes that occurred
+        (or why the ledger was not swept). Raises nothing."""
         if self.error is not None:
             return f"{self.ledger}: not swept: {self.error}"
         counts = {k: v for k, v in self.counts().items() if v}
@@ -102,22 +107,25 @@ class Report:
 
 
 class Progress:
-    """What a pass reports as it goes (the CLI draws a progress bar from it)."""
+    """What a pass reports as it goes (the CLI draws a progress bar from it): override
+    `started` and `done`, which do nothing here. Raises nothing."""
 
     def started(self, total: int) -> None:
-        pass
+        """The pass is about to look at `total` records. Raises nothing here; what an
+        override raises ends the pass (`sweep` lets it through)."""
 
     def done(self, result: Result) -> None:
-        pass
+        """The pass is done with one record: `result`. Raises nothing here; what an
+        override raises is logged, and the pass goes on."""
 
 
 class Sweeper:
     """Settles a ledger's UNCERTAIN records and stale claims through their reconcilers.
 
     `ledger`: a `Ledger`, a `CacheBackend` or a ledger URL. Reconcilers are found by tool
-    name in `reconcilers`, in what `imports` register and in the entry points, else by
-    the import path a record names when it is under `imports` or `trust`
-    (`_registry`). Each is asked for at most `timeout_s` (default: the ledger's
+    name in `reconcilers`, in what `imports` register and, unless `entry_points` is False,
+    in the entry points, else by the import path a record names when it is under `imports`
+    or `trust` (`_registry`). Each is asked for at most `timeout_s` (default: the ledger's
     `reconcile_timeout_s`, else 30 s); an Unknown answer is asked again after `backoff_s`,
     doubling up to `max_backoff_s`. Alerts (`_alerts`) go to `channels` (default: the log,
     OpenTelemetry and the ledger's own notification outbox): a record open for
@@ -126,6 +134,14 @@ class Sweeper:
     outbox keeps one entry per condition however often it is said). `tools` and `keys`
     narrow a pass; `dry_run` asks nothing and writes nothing, and says what it would ask.
     `concurrency`: how many records one pass works on at once.
+
+    Raises `LedgerConfigurationError` for a ledger URL that cannot be opened (and what its
+    backend raises), `ImportError` for one of `imports` that cannot be imported,
+    `TypeError` for a `ledger` of another kind, a reconciler that is neither callable nor
+    a str, a duration that is not a number or an `alert_unknowns` that is not a whole
+    number, and `ValueError` for a reconciler's import path that is malformed or names no
+    module, a duration out of range, or a `concurrency` that is not a whole number, 1 or
+    more.
     """
 
     def __init__(
@@ -215,7 +231,9 @@ class Sweeper:
     # -- one pass ------------------------------------------------------------------------
 
     def sweep(self, progress: Progress | None = None) -> Report:
-        """One pass over the ledger; the report says what came of every record."""
+        """One pass over the ledger; the report says what came of every record. `progress`
+        hears of it as it goes. A ledger that cannot be read is the report's `error` and an
+        alert, never an exception; what `progress.started` raises goes through."""
         progress = progress or Progress()
         report = Report(self.url, self.dry_run, time.time())
         ledger = self.ledger
@@ -248,7 +266,8 @@ class Sweeper:
 
     async def asweep(self, progress: Progress | None = None) -> Report:
         """`sweep` on the event loop: the ledger's async driver, its lanes, the same
-        decisions. Up to `concurrency` records at once, as tasks."""
+        decisions. Up to `concurrency` records at once, as tasks. `progress` and what it
+        raises as for `sweep`."""
         progress = progress or Progress()
         report = Report(self.url, self.dry_run, time.time())
         ledger = self.ledger
@@ -472,9 +491,11 @@ class Sweeper:
         passes: int | None = None,
         on_report: Callable[[Report], None] | None = None,
     ) -> None:
-        """Sweep every `interval_s` seconds until `stop` is set (or `passes` are done). A
-        ledger that does not answer is an alert and a pass that ends early, never the end
-        of the watch."""
+        """Sweep every `interval_s` seconds until `stop` is set (or `passes` are done),
+        giving each report to `on_report`. A ledger that does not answer is an alert and a
+        pass that ends early, never the end of the watch. Raises `TypeError` for an
+        `interval_s` that is not a number, `ValueError` for a negative one; what
+        `on_report` raises ends the watch."""
         check_seconds("interval_s", interval_s)
         stop = stop or threading.Event()
         done = 0
@@ -493,7 +514,8 @@ class Sweeper:
 
     def start(self, interval_s: float = 30.0) -> Watching:
         """`watch` on a daemon thread of its own: for a process that does other work (a
-        console, a worker). Stop it with `.stop()`."""
+        console, a worker). Stop it with `.stop()`. Raises `TypeError` for an
+        `interval_s` that is not a number, `ValueError` for a negative one."""
         check_seconds("interval_s", interval_s)
         return Watching(self, interval_s)
 
@@ -506,7 +528,9 @@ class Sweeper:
         on_report: Callable[[Report], None] | None = None,
     ) -> None:
         """`watch` on the event loop (`asweep` every `interval_s`), until `stop` is set,
-        `passes` are done, or the task is cancelled."""
+        `passes` are done, or the task is cancelled; `on_report` and what it raises as for
+        `watch`. Raises `TypeError` for an `interval_s` that is not a number,
+        `ValueError` for a negative one."""
         check_seconds("interval_s", interval_s)
         stop = stop or asyncio.Event()
         done = 0
@@ -526,7 +550,9 @@ class Sweeper:
 
 
 class Watching:
-    """A sweeper watching on a thread of its own (`Sweeper.start`)."""
+    """A sweeper watching on a thread of its own (`Sweeper.start`): `sweeper.watch` every
+    `interval_s` seconds, from the moment it is made, keeping the last ten reports in
+    `reports`. Raises nothing (`Sweeper.start` checks `interval_s`)."""
 
     def __init__(self, sweeper: Sweeper, interval_s: float) -> None:
         self.sweeper = sweeper
@@ -545,7 +571,8 @@ class Watching:
         self.reports = [*self.reports[-9:], report]
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop after the pass in progress (if any) and wait up to `timeout` for it."""
+        """Stop after the pass in progress (if any) and wait up to `timeout` seconds for
+        it (None: as long as it takes). Raises nothing."""
         self._stop.set()
         self._thread.join(timeout)
 
