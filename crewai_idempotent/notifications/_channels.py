@@ -92,13 +92,19 @@ def register(scheme: str, make: Callable[[str, Mapping[str, str]], Channel]) -> 
     _CHANNELS[scheme] = make
 
 
+_BUILT_IN: list[bool] = []  # non-empty once the built-in kinds are in _CHANNELS
+
+
 def _known() -> dict[str, Callable[[str, Mapping[str, str]], Channel]]:
-    if not _CHANNELS:
+    # Loaded at the first URL, not at import (their modules import httpx); a kind the
+    # application registered before that keeps its own maker.
+    if not _BUILT_IN:
         from . import _apprise, _slack, _webhook
 
-        register("webhook", _webhook.WebhookChannel)
-        register("slack", _slack.SlackChannel)
-        register("apprise", _apprise.AppriseChannel)
+        _CHANNELS.setdefault("webhook", _webhook.WebhookChannel)
+        _CHANNELS.setdefault("slack", _slack.SlackChannel)
+        _CHANNELS.setdefault("apprise", _apprise.AppriseChannel)
+        _BUILT_IN.append(True)
     return _CHANNELS
 
 
@@ -108,7 +114,7 @@ def channel_from_url(url: str) -> Channel:
     an option given twice, or a setting the channel refuses (the message names the URL)."""
     if not isinstance(url, str) or "+" not in url.split("://", 1)[0]:
         raise LedgerConfigurationError(
-            f"not a notification channel URL: {_shown(str(url))!r}; write CHANNEL+TARGET, such "
+            f"not a notification channel URL: {_shown(str(url))!r}; one is CHANNEL+TARGET, such "
             "as webhook+https://..., slack+https://hooks.slack.com/... or apprise+mailto://..."
         )
     scheme, target = url.strip().split("+", 1)

@@ -225,3 +225,31 @@ def test_apprise_delivers_through_its_own_plugin_and_says_why_it_failed() -> Non
         assert "age: 2 h" in sent["message"]
     finally:
         target.stop()
+
+
+def test_a_channel_registered_before_any_url_leaves_the_built_in_ones() -> None:
+    """An application that registers its own kind first (at import, before a URL is read)
+    still gets webhook+, slack+ and apprise+; a built-in scheme it registers stays its own."""
+    import subprocess
+    import sys
+
+    script = (
+        "import base64\n"
+        "from crewai_idempotent.notifications import channel_from_url, register\n"
+        "from crewai_idempotent.notifications._webhook import WebhookChannel\n"
+        "class Pager(WebhookChannel): pass\n"
+        "register('pager', Pager)\n"
+        "register('slack', Pager)\n"
+        "secret = 'whsec_' + base64.b64encode(b'k' * 24).decode()\n"
+        "kinds = [type(channel_from_url(u)).__name__ for u in (\n"
+        "    'webhook+https://example.invalid/hook#secret=' + secret,\n"
+        "    'pager+https://example.invalid/page#secret=' + secret,\n"
+        "    'slack+https://hooks.slack.com/services/T/B/x#secret=' + secret,\n"
+        ")]\n"
+        "print(' '.join(kinds))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["WebhookChannel", "Pager", "Pager"]
