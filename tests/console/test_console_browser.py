@@ -34,6 +34,8 @@ from tests.support.crewai.fixtures import PYTHON, subprocess_env
 from tests.support.crewai.provider import FakeProvider
 from tests.support.servers import ON_CI
 
+pytestmark = pytest.mark.slow  # a real browser and a console server per test: started first
+
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [
     "--headless",
