@@ -3,7 +3,7 @@
 
 In one module so that each states its fact in one voice and pickles the same way (Celery
 and multiprocessing send exceptions between processes). At run time this module imports
-only `_money` (how an amount is printed), so every other module may raise from it.
+only `_units` (how an amount is printed), so every other module may raise from it.
 Exceptions that never leave the code that raises them stay beside it: `Halt`, which
 carries one of these errors out through crewAI to the kickoff (`integration/_call`), and
 the loops' own signals (`_gatestore.Unchanged`, `_keys._NotPlain`, the self-test's
@@ -15,7 +15,7 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING, Any
 
-from ._money import format_money
+from ._units import format_money
 
 if TYPE_CHECKING:
     from .ledger._record import Record

@@ -24,6 +24,7 @@ import click
 from _crewai_idempotent_autoload import autoload_enabled
 
 from .. import Status
+from .._units import ago
 from ..backends._url import local_path
 from ..integration import _verify, default_ledger_path
 from ..integration._compat import ALLOW_UNTESTED_ENV, untested_choice
@@ -31,7 +32,7 @@ from ..integration._ledgers import describe_default
 from ..integration._patch import is_supported, is_tested, newest_tested, supported_range
 from ..integration.offline._selftest import run_in_subprocess
 from ..ledger._backend import url_of
-from ._output import ago, console, safe, stamp
+from ._output import console, safe, stamp
 from ._where import Where
 
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH

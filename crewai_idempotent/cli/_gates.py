@@ -12,7 +12,7 @@ import click
 
 from .. import ApprovalRequest, Approvals, SpendLedger
 from .._errors import ApprovalAlreadyDecided, ApprovalNotFound
-from .._money import exponent, format_money
+from .._units import exponent, format_money
 from ..gates._approvals import ApprovalState
 from ..ledger._record import _whoami
 from ._output import duration, ledger_errors, safe, stamp

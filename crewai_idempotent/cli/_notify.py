@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .._errors import LedgerConfigurationError
+from .._units import ago
 from ..notifications._outbox import Entry, Outbox, check_id
-from ._output import ago, duration, ledger_errors, machine, safe, stamp
+from ._output import duration, ledger_errors, machine, safe, stamp
 from ._where import Where
 
 if TYPE_CHECKING:

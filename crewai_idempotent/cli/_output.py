@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .. import IdempotencyError, InvalidIdempotencyKey, LedgerUnavailable, validate_key
+from .._units import DURATION_FORMS, ago, parse_duration
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -87,31 +88,14 @@ def when(at: float | None, now: float) -> str:
     return "-" if at is None else f"{stamp(at)} ({ago(now - at)})"
 
 
-def ago(seconds: float) -> str:
-    future = seconds < 0
-    seconds = abs(seconds)
-    if seconds < 90:
-        text = f"{seconds:.0f} s"
-    elif seconds < 90 * 60:
-        text = f"{seconds / 60:.0f} min"
-    elif seconds < 48 * 3600:
-        text = f"{seconds / 3600:.0f} h"
-    else:
-        text = f"{seconds / 86400:.0f} d"
-    return f"in {text}" if future else f"{text} ago"
-
-
-_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
 def duration(value: str | None) -> float | None:
     """`90`, `90s`, `15m`, `2h`, `7d`, `1w` as seconds."""
     if value is None:
         return None
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)?\s*", value)
-    if match is None:
-        raise click.BadParameter(f"not a duration (90, 90s, 15m, 2h, 7d, 1w): {value!r}")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    seconds = parse_duration(value)
+    if seconds is None:
+        raise click.BadParameter(f"not a duration ({DURATION_FORMS}): {value!r}")
+    return seconds
 
 
 def dumps(value: Any) -> str:

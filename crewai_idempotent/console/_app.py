@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -41,6 +40,7 @@ from .._errors import (
     IdempotencyError,
     ResolutionRefused,
 )
+from .._units import parse_duration as duration
 from ..gates._approvals import Approvals, ApprovalState, _check_id
 from ..ledger._backend import CacheBackend, url_of
 from ..ledger._ledger import Ledger
@@ -96,16 +96,6 @@ def html(template: str, status: int = 200, **context: Any) -> Response:
     # Text from the ledger may hold lone surrogates, which UTF-8 cannot carry.
     body = render(template, **context).encode("utf-8", "backslashreplace")
     return Response(body, status_code=status, media_type="text/html; charset=utf-8")
-
-
-_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def duration(text: str) -> float | None:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)?\s*", text or "")
-    if match is None:
-        return None
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
 def local_path(target: str | None, default: str = "/approvals") -> str:

@@ -21,7 +21,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup, escape
 
-from .._money import format_money
+from .._units import ago, format_money
 
 
 @functools.cache
@@ -70,20 +70,6 @@ def stamp(at: float | None) -> str:
     if at is None:
         return "-"
     return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def ago(seconds: float) -> str:
-    future = seconds < 0
-    seconds = abs(seconds)
-    if seconds < 90:
-        text = f"{seconds:.0f} s"
-    elif seconds < 90 * 60:
-        text = f"{seconds / 60:.0f} min"
-    elif seconds < 48 * 3600:
-        text = f"{seconds / 3600:.0f} h"
-    else:
-        text = f"{seconds / 86400:.0f} d"
-    return f"in {text}" if future else f"{text} ago"
 
 
 def size(value: Any) -> str:

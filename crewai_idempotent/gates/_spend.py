@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from .._errors import SpendCapExceeded
-from .._money import format_money
+from .._units import format_money
 from ..ledger._backend import CacheBackend
 from ..ledger._record import Status
 from ..notifications._outbox import Note

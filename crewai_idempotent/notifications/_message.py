@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import command
-from .._money import format_money
+from .._units import format_money
 from ..ledger._backend import CacheBackend, ledger_option, url_of
 from ..ledger._policy import readable_seconds
 from ._outbox import TYPES, Entry

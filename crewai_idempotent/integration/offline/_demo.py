@@ -23,7 +23,7 @@ from typing import Any
 from rich.markup import escape
 
 from ..._errors import LedgerConfigurationError, LedgerUnavailable
-from ..._money import format_money
+from ..._units import format_money
 from .. import IdempotencyConfig, install
 from ._scripted import (
     current_attempt,

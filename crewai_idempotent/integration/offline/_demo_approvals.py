@@ -21,7 +21,7 @@ from typing import Any
 from rich.markup import escape
 
 from ..._errors import ApprovalRequired, LedgerConfigurationError, LedgerUnavailable, command
-from ..._money import format_money
+from ..._units import format_money
 from ...gates._approvals import Approvals
 from ...gates._spend import Money, SpendCap, SpendLedger
 from ...ledger._backend import ledger_option
