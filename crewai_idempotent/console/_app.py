@@ -790,6 +790,13 @@ def _slack_click(console: Console, click: _slack.Click) -> str:
 # -- the application ------------------------------------------------------------------------------
 
 
+def _report_ended(task: asyncio.Task[None]) -> None:
+    # A job ends only when cancelled at shutdown: one that raised would otherwise stop
+    # (the dispatcher, the sweeper) with no word while the pages go on being served.
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a job beside the console stopped", exc_info=task.exception())
+
+
 def create_app(
     backend: CacheBackend,
     settings: ConsoleSettings | None = None,
@@ -811,6 +818,8 @@ def create_app(
         jobs: list[Coroutine[Any, Any, None]] = [console.watcher.run(), console.sweep_sessions()]
         jobs += [start(console) for start in background]
         tasks = [asyncio.create_task(job) for job in jobs]
+        for task in tasks:
+            task.add_done_callback(_report_ended)
         try:
             yield
         finally:

@@ -16,6 +16,8 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from ..ledger._policy import check_seconds
+
 if TYPE_CHECKING:
     from ..notifications import Channel, Dispatcher, Entry
     from ..reconciliation import Sweeper
@@ -61,8 +63,9 @@ def dispatching(dispatcher: Dispatcher) -> Background:
 def sweeping(sweeper: Sweeper, interval_s: float = 30.0) -> Background:
     """A job settling UNCERTAIN records and stale claims with `sweeper` every
     `interval_s` while the console runs (`Sweeper.start`, stopped at shutdown). Raises
-    nothing here; the job raises what `Sweeper.start` raises for `interval_s` (`TypeError`,
-    `ValueError`) as the console starts."""
+    `TypeError` for an `interval_s` that is not a number and `ValueError` for a negative
+    one, here: inside the job it would surface only when the console starts."""
+    check_seconds("interval_s", interval_s)
 
     async def job(console: Console) -> None:
         watching = sweeper.start(interval_s)

@@ -37,6 +37,7 @@ from crewai_idempotent.console import (
     ConsoleSettings,
     _slack,
     create_app,
+    sweeping,
 )
 from crewai_idempotent.console._live import Watcher
 from crewai_idempotent.gates._approvals import Approvals, ApprovalState
@@ -871,3 +872,39 @@ def test_a_decision_in_the_console_is_delivered_without_waiting_for_a_poll(
         assert types == ["approval.approved", "approval.requested"]
     finally:
         receiver.stop()
+
+
+# -- what runs beside it ----------------------------------------------------------------------
+
+
+def test_a_sweeping_interval_that_cannot_work_is_refused_where_it_is_given(
+    backend: CacheBackend,
+) -> None:
+    from crewai_idempotent.reconciliation import Sweeper
+
+    sweeper = Sweeper(backend)
+    with pytest.raises(ValueError, match="interval_s"):
+        sweeping(sweeper, -1)
+    with pytest.raises(TypeError, match="interval_s"):
+        sweeping(sweeper, "often")  # type: ignore[arg-type]
+
+
+def test_a_job_beside_the_console_that_stops_with_an_error_is_logged(
+    backend: CacheBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    started = threading.Event()
+
+    async def broken(console: Any) -> None:
+        started.set()
+        raise RuntimeError("the dispatcher's channel vanished")
+
+    app = create_app(backend, ConsoleSettings(), background=[broken])
+    with caplog.at_level("ERROR", logger="crewai_idempotent.console"), TestClient(app) as c:
+        assert started.wait(60)
+        for _ in range(200):  # the done callback runs on the app's loop, soon after
+            if any("stopped" in r.getMessage() for r in caplog.records):
+                break
+            c.get("/login")
+    stopped = [r for r in caplog.records if "a job beside the console stopped" in r.getMessage()]
+    assert len(stopped) == 1
+    assert "the dispatcher's channel vanished" in str(stopped[0].exc_info[1])
