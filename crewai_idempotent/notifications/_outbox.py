@@ -255,7 +255,8 @@ def alert(
     if not isinstance(title, str) or not title.strip():
         raise ValueError("an alert needs a title: a non-blank line")
     if not isinstance(text, str):
-        raise TypeError(f"text must be a str, not {type(text).__name__}")
+        # `type` is the entry's type here (the public parameter's name), not the builtin.
+        raise TypeError(f"text must be a str, not {text.__class__.__name__}")
     data = {"title": title, "text": text, "fields": dict(fields or {})}
     return put(backend, type, data, subject=subject, dedupe=dedupe)
 

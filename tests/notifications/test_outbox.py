@@ -315,6 +315,14 @@ def test_alerts_of_your_own_are_due_at_once_and_once_per_dedupe(backend: CacheBa
     assert Outbox(backend).get(first.id) == first
 
 
+def test_an_alert_s_text_must_be_a_string_and_nothing_is_written(backend: CacheBackend) -> None:
+    with pytest.raises(TypeError, match="text must be a str, not int"):
+        alert(backend, "alert.custom", "a title", 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs a title"):
+        alert(backend, "alert.custom", "  ")
+    assert Outbox(backend).entries() == []
+
+
 @pytest.mark.parametrize("bad", ["Alert", "alert", "alert..x", "alert.x y", "", 3])
 def test_an_entry_type_must_be_dotted_lower_case_words(backend: CacheBackend, bad: Any) -> None:
     with pytest.raises(ValueError, match="entry type"):
