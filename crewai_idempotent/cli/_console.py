@@ -21,7 +21,7 @@ from ._output import duration, ledger_errors, safe
 from ._where import Where
 
 if TYPE_CHECKING:
-    from ..console._app import Background
+    from ..console._console import Background
     from ..console._settings import ConsoleSettings
     from ..ledger._backend import CacheBackend
 

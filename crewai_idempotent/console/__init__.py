@@ -27,8 +27,9 @@ from .._lazy import lazy_attributes
 if TYPE_CHECKING:
     from .._errors import AccountError
     from ._accounts import Account, Accounts, Role
-    from ._app import SECTIONS, Console, Section, create_app
+    from ._app import create_app
     from ._beside import dispatching, sweeping
+    from ._console import SECTIONS, Console, Section
     from ._serve import serve
     from ._settings import ConsoleSettings
     from ._slack import actions_block, button_value
@@ -38,9 +39,9 @@ _WHERE = {
     "AccountError": ".._errors",
     "Accounts": "._accounts",
     "Role": "._accounts",
-    "SECTIONS": "._app",
-    "Console": "._app",
-    "Section": "._app",
+    "SECTIONS": "._console",
+    "Console": "._console",
+    "Section": "._console",
     "create_app": "._app",
     "dispatching": "._beside",
     "sweeping": "._beside",

@@ -21,7 +21,7 @@ from ..ledger._policy import check_seconds
 if TYPE_CHECKING:
     from ..notifications import Channel, Dispatcher, Entry
     from ..reconciliation import Sweeper
-    from ._app import Background, Console
+    from ._console import Background, Console
 
 log = logging.getLogger("crewai_idempotent.console")
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from .._errors import ListenError
 from ..ledger._backend import CacheBackend
-from ._app import Background, create_app
+from ._app import create_app
+from ._console import Background
 from ._settings import ConsoleSettings
 
 DEFAULT_PORT = 8765
