@@ -430,7 +430,11 @@ class Outbox:
                     doc = {**doc, "state": "due"}
             found.append(Entry.of(doc))
         if include_delivered:
-            found += [Entry.of(doc) for _record, doc in delivered(self.backend)]
+            # Read after the outbox, so an entry moving meanwhile is in one or both; a
+            # dispatcher copies an entry here before deleting the outbox's, and between
+            # the two writes (or after dying between them) both exist: one entry, delivered.
+            moved = {doc["id"]: Entry.of(doc) for _record, doc in delivered(self.backend)}
+            found = [e for e in found if e.id not in moved] + list(moved.values())
         return sorted(found, key=lambda e: (e.at, e.seq, e.id))
 
     def get(self, entry_id: str) -> Entry | None:

@@ -20,6 +20,7 @@ from crewai_idempotent import (
     Ledger,
     LedgerConfigurationError,
     OutcomeUnknown,
+    Record,
 )
 from crewai_idempotent._errors import ApprovalRequired
 from crewai_idempotent.gates._approvals import Approvals
@@ -340,3 +341,30 @@ def test_doctor_says_what_waits_for_delivery(tmp_path: Path) -> None:
     alert(backend, "alert.test", "hello")
     told = CliRunner().invoke(main, ["--ledger", url, "doctor"])
     assert "1 notification(s) not yet delivered" in told.output and "notify --watch" in told.output
+
+
+def test_an_entry_caught_between_its_two_copies_is_listed_once(
+    backend: CacheBackend, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Delivered everywhere, an entry is copied to the delivered ones and then deleted from
+    the outbox: a reader between the two writes (or after a dispatcher died between them)
+    sees it under both prefixes. It is one entry, delivered."""
+    from crewai_idempotent import LedgerUnavailable
+
+    entry = alert(backend, "alert.test", "between the copies")
+    delete = backend.delete
+
+    def outage(record: Record) -> bool:
+        raise LedgerUnavailable("the ledger went away between the copy and the delete")
+
+    monkeypatch.setattr(backend, "delete", outage)
+    with pytest.raises(LedgerUnavailable):
+        Dispatcher(backend, [receiver.webhook()]).run_once()
+    monkeypatch.setattr(backend, "delete", delete)
+    (listed,) = Outbox(backend).entries()
+    assert listed.id == entry.id and listed.state == "delivered"
+    assert len(receiver.received) == 1
+    # The next pass finds it delivered and drops the outbox copy, sending nothing again.
+    Dispatcher(backend, [receiver.webhook()]).run_once()
+    assert [e.id for e in Outbox(backend).entries()] == [entry.id]
+    assert len(receiver.received) == 1
