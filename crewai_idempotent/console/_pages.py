@@ -25,7 +25,7 @@ from .._errors import (
     ApprovalNotFound,
     ResolutionRefused,
 )
-from .._units import parse_duration as duration
+from .._units import parse_duration
 from ..gates._approvals import ApprovalState, _check_id
 from ..notifications._outbox import TYPES, Outbox
 from . import _slack, _views
@@ -199,7 +199,7 @@ def decision(grant: bool) -> Handler:
             )
         try:
             if grant:
-                ttl = duration(str(form.get("ttl") or ""))
+                ttl = parse_duration(str(form.get("ttl") or ""))
                 if ttl is None or not 0 < ttl <= MAX_TTL_S:
                     return again(console, request, who, form,
                                  "The grant's time must be a duration such as 30m, 4h or 2d "
@@ -247,8 +247,8 @@ def _filters(request: Request) -> tuple[_views.Filters, str]:
     status = (q.get("status") or "").lower()
     if status not in ("", "pending", "committed", "failed", "uncertain"):
         return _views.Filters(), f"No status {status!r}: pending, committed, failed or uncertain."
-    older = duration(q["older"]) if q.get("older") else None
-    newer = duration(q["newer"]) if q.get("newer") else None
+    older = parse_duration(q["older"]) if q.get("older") else None
+    newer = parse_duration(q["newer"]) if q.get("newer") else None
     if (q.get("older") and older is None) or (q.get("newer") and newer is None):
         return _views.Filters(), "An age is a duration such as 90s, 15m, 2h or 7d."
     return _views.Filters(

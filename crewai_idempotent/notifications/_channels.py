@@ -92,19 +92,20 @@ def register(scheme: str, make: Callable[[str, Mapping[str, str]], Channel]) -> 
     _CHANNELS[scheme] = make
 
 
-_BUILT_IN: list[bool] = []  # non-empty once the built-in kinds are in _CHANNELS
+_built_in = False  # whether the built-in kinds are in _CHANNELS yet
 
 
 def _known() -> dict[str, Callable[[str, Mapping[str, str]], Channel]]:
     # Loaded at the first URL, not at import (their modules import httpx); a kind the
     # application registered before that keeps its own maker.
-    if not _BUILT_IN:
+    global _built_in
+    if not _built_in:
         from . import _apprise, _slack, _webhook
 
         _CHANNELS.setdefault("webhook", _webhook.WebhookChannel)
         _CHANNELS.setdefault("slack", _slack.SlackChannel)
         _CHANNELS.setdefault("apprise", _apprise.AppriseChannel)
-        _BUILT_IN.append(True)
+        _built_in = True
     return _CHANNELS
 
 
