@@ -42,8 +42,8 @@ from ._doctor import doctor
 from ._gates import approvals, spend
 from ._ledger import export, list_records, purge, resolve, show
 from ._notify import notifications, notify
-from ._reconcile import reconcile
 from ._output import safe
+from ._reconcile import reconcile
 from ._where import Where
 
 __all__ = ["main"]

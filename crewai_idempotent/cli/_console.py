@@ -109,15 +109,19 @@ def _backend(where: Where, *, create: bool = False) -> Any:
               help="A Host name the console answers to besides loopback. Repeatable.")  # fmt: skip
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="Serve TLS.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False))
-@click.option("--session-ttl", default="12h", show_default=True, help="A login lasts at most.")
+@click.option("--session-ttl", default="12h", show_default=True,
+              help="A login lasts at most (more than 60 s).")  # fmt: skip
 @click.option("--idle-timeout", default="1h", show_default=True,
-              help="A session ends after this long without a request.")  # fmt: skip
+              help="A session ends after this long without a request "
+              "(more than 60 s).")  # fmt: skip
 @click.option("--refresh", default="2s", show_default=True,
-              help="How often open pages are updated from the ledger.")  # fmt: skip
+              help="How often open pages are updated from the ledger "
+              "(more than 0.05 s).")  # fmt: skip
 @click.option(
     "--slack-signing-secret-file",
     type=click.Path(dir_okay=False),
-    help=f"Enables Slack's buttons at /slack/interactive (or ${SLACK_SECRET_ENV}).",
+    help=f"Enables Slack's buttons at /slack/interactive (or ${SLACK_SECRET_ENV}): a file "
+    "holding the app's signing secret (32 hex characters; under 16 characters is refused).",
 )
 @click.option("--slack-team", metavar="TEAM_ID", help="Only this Slack workspace's posts.")
 @click.option("--slack-grant-ttl", default="24h", show_default=True,
