@@ -69,8 +69,10 @@ def _backend(where: Where, *, create: bool = False) -> Any:
             raise
         add = where.command("console", "users", "add", "NAME", "--role", "approver")
         raise click.ClickException(
-            f"{exc.message}. The console works on the ledger your crews write: point --ledger "
-            f"at it, or make it with its first account: {add}"
+            safe(
+                f"{exc.message}. The console works on the ledger your crews write: point "
+                f"--ledger at it, or make it with its first account: {add}"
+            )
         ) from None
 
 
@@ -267,8 +269,8 @@ def _check_accounts(where: Where, backend: Any, auth: str) -> None:
     if not usable:
         words = ["console", "users", "add", "NAME", "--role", "approver"]
         words += ["--no-password"] if auth == "proxy" else []
-        click.echo(f"note: no account can log in yet; add one with {where.command(*words)}",
-                   err=True)  # fmt: skip
+        click.echo(safe(f"note: no account can log in yet; add one with "
+                        f"{where.command(*words)}"), err=True)  # fmt: skip
 
 
 # -- accounts -----------------------------------------------------------------------------

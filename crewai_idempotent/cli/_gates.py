@@ -112,7 +112,7 @@ def _duration(value: str) -> float:
 def _no_typed_name(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value is not None:
         raise click.BadParameter(
-            f"it is recorded as made by {_whoami()} (the user running this command), not by a "
+            f"it is recorded as yours ({_whoami()}, the user running this command), not a "
             "typed name; say on whose behalf in --reason",
             param_hint="--by",
         )

@@ -283,8 +283,8 @@ def test_resolve_refuses_a_typed_name_as_approvals_do(url: str, populated: Ledge
     for verdict in (["--absent"], ["--happened", "--result-text", "ch_9"]):
         typed = cli(url, "resolve", "order-uncertain", *verdict, "--reason", "seen", "--by", "cfo")
         assert typed.exit_code == 2, typed.output
-        assert "--by" in typed.stderr and "not by a typed name" in typed.stderr
-        assert f"recorded as made by {_whoami()}" in typed.stderr
+        assert "--by" in typed.stderr and "not a typed name" in typed.stderr
+        assert f"recorded as yours ({_whoami()}, the user running this command)" in typed.stderr
         record = populated.get("order-uncertain")
         assert record is not None and record.status is Status.UNCERTAIN
     assert "--by" not in cli(url, "resolve", "--help").output  # refused, so not offered
