@@ -30,7 +30,7 @@ from ..integration import _verify, default_ledger_path
 from ..integration._compat import ALLOW_UNTESTED_ENV, untested_choice
 from ..integration._ledgers import describe_default
 from ..integration._patch import is_supported, is_tested, newest_tested, supported_range
-from ..integration.offline._selftest import run_in_subprocess
+from ..integration.offline._selftest_process import run_in_subprocess
 from ..ledger._backend import url_of
 from ._output import console, safe, stamp
 from ._where import Where
