@@ -249,6 +249,22 @@ def test_a_secret_the_format_does_not_allow_is_refused(options: str, says: str) 
     assert "hunter2" not in str(refused.value)
 
 
+def test_the_hint_to_make_a_secret_runs_as_pasted_and_makes_one_that_is_taken() -> None:
+    import shlex
+    import subprocess
+    import sys
+
+    with pytest.raises(LedgerConfigurationError) as refused:
+        channel_from_url("webhook+https://hooks.example.com/h#secret=hunter2")
+    hint = str(refused.value).split("make one with: ", 1)[1]
+    argv = shlex.split(hint)
+    assert argv[0] == "python"
+    made = subprocess.run(
+        [sys.executable, *argv[1:]], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.strip()
+    assert channel_from_url(f"webhook+https://hooks.example.com/h#secret={made}")
+
+
 @pytest.mark.parametrize(
     ("target", "says"),
     [
