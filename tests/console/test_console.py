@@ -824,6 +824,26 @@ def test_the_notifications_page_shows_entries_tries_and_filters(backend: CacheBa
         assert wrong.status_code == 400 and "No state" in wrong.text
 
 
+def test_the_notifications_page_shows_waiting_entries_as_waiting(backend: CacheBackend) -> None:
+    """An entry written before its transition (stored as the previous release writes it)
+    is listed under `waiting` and said to wait, and is not counted as pending."""
+    from crewai_idempotent.notifications import Outbox
+    from crewai_idempotent.notifications._outbox import Note, of_document
+
+    (stored,) = of_document(
+        "crewai-idempotent/approval/ap_never", None, [Note("alert.test", {"title": "later"})],
+        backend.now(),
+    )  # fmt: skip
+    backend.insert(stored)
+    (entry,) = Outbox(backend).entries(waiting=True)
+    with _client(backend) as c:
+        _as(c, "victor")
+        waiting = c.get("/notifications", params={"state": "waiting"}).text
+        assert entry.id in waiting and "Waiting for its transition" in waiting
+        pending = c.get("/notifications", params={"state": "pending"}).text
+        assert entry.id not in pending
+
+
 def test_the_console_delivers_the_outbox_while_it_runs(backend: CacheBackend) -> None:
     from crewai_idempotent.console import dispatching
     from crewai_idempotent.notifications import Dispatcher, Outbox
