@@ -147,6 +147,68 @@ def demo_ledger(
         yield backend, described
 
 
+@contextlib.contextmanager
+def crewai_files_thrown_away(command: str) -> Iterator[Callable[[], list[str]]]:
+    """crewai's own files for a demo's run, in a throwaway folder deleted when it ends: its
+    storage folder (CREWAI_STORAGE_DIR: every kickoff writes latest_kickoff_task_outputs.db
+    there, else in the user's data folder under the current directory's name) and the temp
+    folder (crewai keeps a lock file there for each SQLite file, named by the file's path,
+    and never removes it). Both are as they were afterwards. Enter it before crewai is
+    imported: some of its modules make the storage folder when they are imported.
+
+    Yields what says, at the end of the run, which of crewai's per-user folders crewai made
+    meanwhile (importing crewai makes them the first time, whatever imports it), so that
+    the demo can say what it leaves."""
+    before = {path for path in _crewai_user_folders() if path.exists()}
+    with tempfile.TemporaryDirectory(prefix=f"crewai-idempotent-{command}-crewai-") as folder:
+        temp = Path(folder) / "tmp"
+        temp.mkdir()
+        storage, tempdir = os.environ.get(STORAGE_ENV), tempfile.tempdir
+        os.environ[STORAGE_ENV] = str(Path(folder) / "storage")  # absolute: used as is
+        tempfile.tempdir = str(temp)
+        try:
+            yield lambda: [
+                str(path) for path in _crewai_user_folders() if path.exists() and path not in before
+            ]
+        finally:
+            tempfile.tempdir = tempdir
+            if storage is None:
+                os.environ.pop(STORAGE_ENV, None)
+            else:
+                os.environ[STORAGE_ENV] = storage
+
+
+STORAGE_ENV = "CREWAI_STORAGE_DIR"
+
+
+def what_crewai_left(console: Any, made: list[str]) -> None:
+    """Say which of crewai's per-user folders appeared during the demo (`made`): the only
+    files it leaves. The demo's own, and crewai's for the run, went with their folders."""
+    if made:
+        from rich.markup import escape
+
+        say(
+            console,
+            "[dim]left behind: "
+            + ", ".join(escape(path) for path in made)
+            + " (crewai makes them the first time it is imported, and keeps them: its "
+            "login key and its settings); nothing else[/]",
+        )
+
+
+def _crewai_user_folders() -> list[Path]:
+    """Where crewai keeps files of its own per user, whatever runs it (crewai_core: the key
+    for its platform login's tokens, and its settings)."""
+    home = Path.home()
+    if sys.platform == "win32":
+        data = Path(os.environ.get("LOCALAPPDATA") or home)
+    elif sys.platform == "darwin":
+        data = home / "Library" / "Application Support"
+    else:
+        data = home / ".local" / "share"
+    return [data / "crewai", home / ".config" / "crewai"]
+
+
 def command_line(run: Callable[[str | None], int], module: str, argv: list[str] | None) -> int:
     """`python -m MODULE [LEDGER_PATH]`: run a demo on the SQLite file given, else on a
     throwaway ledger."""
