@@ -46,9 +46,9 @@ def _receipt_path(ctx: click.Context, param: click.Parameter, value: str | None)
     """The receipt's file, refused now if it cannot be written (before the demo runs)."""
     if value is None:
         return None
-    from ..integration.offline._receipt import unwritable
+    from ..integration.offline._scripted import receipt_unwritable
 
-    problem = unwritable(value)
+    problem = receipt_unwritable(value)
     if problem is not None:
         raise click.BadParameter(f"cannot write the receipt there: {problem}", ctx, param)
     return value

@@ -11,7 +11,7 @@ nothing into a real ledger unless asked to.
 
 With `--receipt FILE` the same crew then runs once more without the guard (the control:
 the charge tool is not idempotent, on a fresh fake provider), and a JSON receipt of both
-runs is written (integration/offline/_receipt.py, docs/receipts.md).
+runs is written (_scripted.py, docs/receipts.md).
 
 crewai's own files for the run (its kickoff outputs database, its lock files) go in a
 throwaway folder too (`_scripted.crewai_files_thrown_away`); the demo says which of
@@ -33,17 +33,18 @@ from rich.markup import escape
 from ..._errors import LedgerConfigurationError, LedgerUnavailable
 from ..._units import format_money
 from .. import IdempotencyConfig, install
-from . import _receipt
 from ._scripted import (
     crewai_files_thrown_away,
     current_attempt,
     demo_ledger,
     go_offline,
     narrator,
+    receipt_document,
     say,
     scripted_model,
     tool_call,
     what_crewai_left,
+    write_receipt,
 )
 
 _MODEL_FAILURE = "503: upstream model overloaded (scripted)"
@@ -344,7 +345,7 @@ class _Demo:
             f"[bold {colour}]charges at the fake provider: {charges}[/]"
         )
         counts = guarded["effects"]["count"], unguarded["effects"]["count"]
-        document = _receipt.document(
+        document = receipt_document(
             "demo",
             "One charge, a failure injected after the charge and before crewai accepts the "
             "task (twice: a guardrail rejection, then a model error), and crewai's retries; "
@@ -367,7 +368,7 @@ class _Demo:
             },
         )
         try:
-            _receipt.write(path, document)
+            write_receipt(path, document)
         except OSError as exc:
             self.say(f"[red]could not write the receipt:[/] {escape(str(exc))}")
             return 1

@@ -9,7 +9,7 @@ ledger given: a URL, or a SQLite file); the provider is fake.
 
 With `--receipt FILE` the same two kickoffs then run once more without the guard (the
 control: pay_invoice is a plain tool, with no approval, cap or ledger, on a fresh fake
-bank), and a JSON receipt of both runs is written (integration/offline/_receipt.py,
+bank), and a JSON receipt of both runs is written (_scripted.py,
 docs/receipts.md). crewai's own files for the run go in a throwaway folder too.
 
 Run it with `crewai-idempotent demo-approvals` or `python -m crewai_idempotent.demo_approvals`.
@@ -31,17 +31,18 @@ from ...gates._approvals import Approvals
 from ...gates._spend import Money, SpendCap, SpendLedger
 from ...ledger._backend import ledger_option
 from .. import install
-from . import _receipt
 from ._scripted import (
     Reply,
     crewai_files_thrown_away,
     demo_ledger,
     go_offline,
     narrator,
+    receipt_document,
     say,
     scripted_model,
     tool_call,
     what_crewai_left,
+    write_receipt,
 )
 
 THRESHOLD_CENTS = 500_00
@@ -349,7 +350,7 @@ class _Demo:
         paid = len(self.bank.payments)
         self.say(f"the bank made {paid} payments without the guard")
         counts = guarded["effects"]["count"], unguarded["effects"]["count"]
-        document = _receipt.document(
+        document = receipt_document(
             "demo-approvals",
             "Two small invoices paid, then the approval gate stops the kickoff at a large one; "
             "an operator approves; the kickoff runs again with a fourth invoice that the "
@@ -363,7 +364,7 @@ class _Demo:
             },
         )
         try:
-            _receipt.write(path, document)
+            write_receipt(path, document)
         except OSError as exc:
             self.say(f"[red]could not write the receipt:[/] {escape(str(exc))}")
             return 1
