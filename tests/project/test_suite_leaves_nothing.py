@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # What the suite's tests do that leaves files behind unless the suite removes them: a
 # ledger outage (spooled to the session's spool folder, tests/conftest.py) and a crewai
-# SQLite store (crewai keeps a lock file in the temp folder for each one it opens).
+# SQLite store (crewai keeps a lock file in the temp folder for each one it opens), in the
+# test's process and in a child it starts.
 SESSION = """
 pytest_plugins = ["tests.support.crewai.fixtures"]
 
@@ -33,6 +34,22 @@ def test_crewai_keeps_a_store(isolated_crewai, tmp_path):
     )
 
     KickoffTaskOutputsSQLiteStorage(str(tmp_path / "outputs.db"))
+
+
+def test_a_child_process_keeps_a_store(isolated_crewai, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.crewai.fixtures import subprocess_env
+
+    code = (
+        "import sys; "
+        "from crewai.memory.storage.kickoff_task_outputs_storage import "
+        "KickoffTaskOutputsSQLiteStorage as Store; "
+        "Store(sys.argv[1])"
+    )
+    child = [sys.executable, "-c", code, str(tmp_path / "child.db")]
+    subprocess.run(child, env=subprocess_env(), check=True, timeout=300)
 """
 
 
@@ -54,5 +71,5 @@ def test_a_test_session_leaves_nothing_in_the_temp_folder(tmp_path: Path) -> Non
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 passed" in done.stdout
+    assert "3 passed" in done.stdout
     assert sorted(os.listdir(temp)) == []

@@ -80,6 +80,8 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         CREWAI_TESTING="true",
         OPENAI_API_KEY="sk-fake-not-used",
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        # The test's temp folder (inside tmp_path under isolated_crewai): crewai's lock files.
+        TMPDIR=tempfile.gettempdir(),
     )
     env.update(extra)
     return env
