@@ -168,8 +168,9 @@ def crewai_files_thrown_away(command: str) -> Iterator[Callable[[], list[str]]]:
     storage folder (CREWAI_STORAGE_DIR: every kickoff writes latest_kickoff_task_outputs.db
     there, else in the user's data folder under the current directory's name) and the temp
     folder (crewai keeps a lock file there for each SQLite file, named by the file's path,
-    and never removes it). Both are as they were afterwards. Enter it before crewai is
-    imported: some of its modules make the storage folder when they are imported.
+    and never removes it). Both are process-wide while it lasts (a demo owns its process)
+    and as they were afterwards. Enter it before crewai is imported: some of its modules
+    make the storage folder when they are imported.
 
     Yields what says, at the end of the run, which of crewai's per-user folders crewai made
     meanwhile (importing crewai makes them the first time, whatever imports it), so that
