@@ -11,20 +11,33 @@ from typing import TYPE_CHECKING
 
 from _crewai_idempotent_autoload import install_import_hook
 
+# Every error a public method raises (tests/project/test_public_errors.py keeps the list
+# whole). The warnings are loaded on first use, below.
 from ._errors import (
+    AccountError,
+    ApprovalAlreadyDecided,
     ApprovalDenied,
+    ApprovalMovedOn,
+    ApprovalNeedsAnother,
+    ApprovalNotFound,
     ApprovalRequired,
+    BodyFailed,
+    CorruptRecord,
+    DeliveryFailed,
     GuardInactive,
     IdempotencyError,
     IdempotencyKeyConflict,
     InvalidIdempotencyKey,
     LedgerConfigurationError,
     LedgerUnavailable,
+    ListenError,
     OperationInProgress,
     OutcomeUncertain,
     OutcomeUnknown,
     ResolutionRefused,
     SpendCapExceeded,
+    UnsupportedCrewAIVersion,
+    UnverifiedCrewAIVersion,
 )
 from ._lazy import lazy_attributes
 from .integration import install, uninstall
@@ -91,12 +104,20 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = [
     "Absent",
+    "AccountError",
+    "ApprovalAlreadyDecided",
     "ApprovalDenied",
+    "ApprovalMovedOn",
+    "ApprovalNeedsAnother",
+    "ApprovalNotFound",
     "ApprovalRequest",
     "ApprovalRequired",
     "ApprovalState",
     "Approvals",
+    "BodyFailed",
     "CacheBackend",
+    "CorruptRecord",
+    "DeliveryFailed",
     "Event",
     "FileLockCacheBackend",
     "Found",
@@ -111,6 +132,7 @@ __all__ = [
     "Ledger",
     "LedgerConfigurationError",
     "LedgerUnavailable",
+    "ListenError",
     "Money",
     "OperationInProgress",
     "Outcome",
@@ -129,6 +151,8 @@ __all__ = [
     "SpendLedger",
     "Status",
     "Unknown",
+    "UnsupportedCrewAIVersion",
+    "UnverifiedCrewAIVersion",
     "backend_from_url",
     "configure",
     "fingerprint",

@@ -16,11 +16,23 @@ os.environ.setdefault("CREWAI_TRACING_ENABLED", "false")
 os.environ.setdefault("CREWAI_TESTING", "true")
 os.environ.setdefault("OPENAI_API_KEY", "sk-fake-not-used")
 # Ledger errors are spooled on the host until the ledger answers (notifications/
-# _incidents.py): the tests' outages spool here, never in the user's state folder.
+# _incidents.py): the tests' outages spool here, never in the user's state folder. The
+# process that made the folder removes it when it ends (the xdist workers and the test's
+# child processes inherit the variable and use the same folder; a forked child runs the
+# parent's exit hooks, hence the pid).
 if "CREWAI_IDEMPOTENCY_SPOOL" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
-    os.environ["CREWAI_IDEMPOTENCY_SPOOL"] = tempfile.mkdtemp(prefix="crewai-idempotent-spool-")
+    _spool = tempfile.mkdtemp(prefix="crewai-idempotent-spool-")
+    os.environ["CREWAI_IDEMPOTENCY_SPOOL"] = _spool
+
+    def _remove_spool(folder: str = _spool, pid: int = os.getpid()) -> None:
+        if os.getpid() == pid:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(_remove_spool)
 
 from collections.abc import Callable, Iterator
 from pathlib import Path

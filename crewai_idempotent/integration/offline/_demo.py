@@ -9,6 +9,14 @@ the demo ends, or the ledger given (a URL, or a SQLite file); configure(),
 CREWAI_IDEMPOTENCY_URL and the embedded default are never used, so the demo writes
 nothing into a real ledger unless asked to.
 
+With `--receipt FILE` the same crew then runs once more without the guard (the control:
+the charge tool is not idempotent, on a fresh fake provider), and a JSON receipt of both
+runs is written (_scripted.py, docs/receipts.md).
+
+crewai's own files for the run (its kickoff outputs database, its lock files) go in a
+throwaway folder too (`_scripted.crewai_files_thrown_away`); the demo says which of
+crewai's per-user folders importing crewai made, if it made any.
+
 Run it with `crewai-idempotent demo` or `python -m crewai_idempotent.demo [LEDGER_PATH]`.
 crewai is imported once the offline environment is set, so this module imports it late.
 """
@@ -26,13 +34,17 @@ from ..._errors import LedgerConfigurationError, LedgerUnavailable
 from ..._units import format_money
 from .. import IdempotencyConfig, install
 from ._scripted import (
+    crewai_files_thrown_away,
     current_attempt,
     demo_ledger,
     go_offline,
     narrator,
+    receipt_document,
     say,
     scripted_model,
     tool_call,
+    what_crewai_left,
+    write_receipt,
 )
 
 _MODEL_FAILURE = "503: upstream model overloaded (scripted)"
@@ -56,14 +68,28 @@ class FakePaymentProvider:
 
 
 def run_demo(
-    ledger_path: str | None = None, *, ledger_url: str | None = None, console: Any = None
+    ledger_path: str | None = None,
+    *,
+    ledger_url: str | None = None,
+    console: Any = None,
+    receipt: str | None = None,
 ) -> int:
-    """Run the demo; 0 when the provider saw exactly one charge, else 1."""
+    """Run the demo; 0 when the provider saw exactly one charge, else 1. With `receipt`
+    (a file name), run the unguarded control after it and write the receipt there; 0 then
+    also needs the control to have charged once per call."""
     go_offline()
     out = narrator(console)
     try:
-        with demo_ledger(ledger_path, ledger_url, "demo") as (backend, described):
-            return _Demo(out, backend, described).run()
+        with (
+            demo_ledger(ledger_path, ledger_url, "demo") as (backend, described),
+            crewai_files_thrown_away("demo") as crewai_made,
+        ):
+            demo = _Demo(out, backend, described)
+            status = demo.run()
+            if receipt is not None:
+                status = max(status, demo.receipt(receipt))
+            what_crewai_left(out, crewai_made())
+            return status
     except (LedgerUnavailable, LedgerConfigurationError) as exc:
         say(out, f"[red]cannot use that ledger:[/] {escape(str(exc))}")
         return 1
@@ -81,6 +107,9 @@ class _Demo:
         self.decisions: list[str] = []  # "executed" / "replayed", from the event bus
         self.attempt = 0
         self.tool_calls = 0
+        self.guarded = True
+        self.timeline: list[dict[str, Any]] = []  # the run's steps, for the receipt
+        self.charges_before = 0  # at the provider, when the model last asked for a charge
 
     # -- what the crew is made of ------------------------------------------------------
 
@@ -91,13 +120,21 @@ class _Demo:
         install()  # a no-op when the package activated itself on `import crewai`
         provider = self.provider
 
-        # crewai's stubs don't know the options the integration adds to @tool and Crew.
-        @tool("charge_card", idempotent=True, idempotency_key="charge:{invoice}")  # type: ignore[call-overload]
-        def charge_card(
-            invoice: str, amount_cents: int, customer: str, idempotency_key: str
-        ) -> str:
-            """Charge a customer's card for an invoice. Returns the payment receipt id."""
-            return provider.charge(invoice, amount_cents, customer, idempotency_key)
+        if self.guarded:
+            # crewai's stubs don't know the options the integration adds to @tool and Crew.
+            @tool("charge_card", idempotent=True, idempotency_key="charge:{invoice}")  # type: ignore[call-overload]
+            def charge_card(
+                invoice: str, amount_cents: int, customer: str, idempotency_key: str
+            ) -> str:
+                """Charge a customer's card for an invoice. Returns the payment receipt id."""
+                return provider.charge(invoice, amount_cents, customer, idempotency_key)
+
+        else:  # the control: the same body, not idempotent (so no key to send either)
+
+            @tool("charge_card")
+            def charge_card(invoice: str, amount_cents: int, customer: str) -> str:
+                """Charge a customer's card for an invoice. Returns the payment receipt id."""
+                return provider.charge(invoice, amount_cents, customer, "")
 
         agent = Agent(
             role="Billing clerk",
@@ -119,6 +156,8 @@ class _Demo:
             guardrail=self.guardrail,
             guardrail_max_retries=2,
         )
+        if not self.guarded:
+            return Crew(agents=[agent], tasks=[task], verbose=False)
         # The demo's own ledger, whatever configure() or CREWAI_IDEMPOTENCY_URL say.
         config = IdempotencyConfig(backend=self.backend)
         return Crew(agents=[agent], tasks=[task], verbose=False, idempotency=config)  # type: ignore[call-arg]
@@ -130,8 +169,17 @@ class _Demo:
             answer = escape(repr(output.raw))
             self.say(f"  guardrail rejected the answer [dim]({answer} names no amount)[/]")
             self.say("  [yellow]-> crewai retries the task (guardrail_max_retries)[/]")
+            self.step(
+                "failure_injected",
+                how="the task's guardrail rejects the answer, which names no amount",
+                after="the charge_card result reached the model",
+                before="crewai accepts the task's output",
+                crewai_retries="the task (guardrail_max_retries=2)",
+                answer=output.raw,
+            )
             return False, "Name the amount in EUR in your answer."
         self.say(f"  guardrail accepted: {escape(repr(output.raw))}")
+        self.step("acknowledged", how="the guardrail accepts the answer", answer=output.raw)
         return True, output.raw
 
     # -- running and reporting ---------------------------------------------------------
@@ -199,12 +247,17 @@ class _Demo:
         if not results:
             self.attempt += 1
             self.say(f"attempt {self.attempt}")
+            if self.attempt > 1:
+                self.step("retry", by=_RETRIED_BY.get(self.attempt, "crewai"))
             arguments = {
                 "invoice": self.invoice,
                 "amount_cents": self.amount_cents,
                 "customer": self.customer,
             }
-            return [tool_call(f"call_{self.attempt}", "charge_card", arguments)]
+            self.charges_before = len(self.provider.charges)
+            call_id = f"call_{self.attempt}"
+            self.step("tool_call", tool="charge_card", call_id=call_id, arguments=arguments)
+            return [tool_call(call_id, "charge_card", arguments)]
         receipt = str(results[-1]).strip()
         self.on_tool_result(receipt)
         if self.attempt == 1:
@@ -212,6 +265,13 @@ class _Demo:
         if self.attempt == 2:
             self.say(f"  model call failed [dim]({_MODEL_FAILURE})[/]")
             self.say("  [yellow]-> crewai retries the agent (max_retry_limit)[/]")
+            self.step(
+                "failure_injected",
+                how=f"the model call raises RuntimeError({_MODEL_FAILURE!r})",
+                after="the charge_card result reached the model",
+                before="the agent answers",
+                crewai_retries="the agent (max_retry_limit=2)",
+            )
             raise RuntimeError(_MODEL_FAILURE)
         return (
             f"Invoice {self.invoice}: charged {format_money(self.amount_cents, 'EUR')} to "
@@ -223,10 +283,103 @@ class _Demo:
 
         crewai_event_bus.flush()
         self.tool_calls += 1
-        decision = self.decisions[-1] if self.decisions else "?"
+        charges = len(self.provider.charges)
+        if self.guarded:
+            decision = self.decisions[-1] if self.decisions else "?"
+        else:
+            decision = "ran unguarded"
         style = "bold green" if decision == "executed" else "cyan"
+        if not self.guarded:
+            style = "bold red" if charges > 1 else "bold"
         call = escape(f"charge_card(invoice={self.invoice!r})")
         self.say(f"  {call} [{style}]{decision}[/] -> {escape(result)}")
+        self.step(
+            "tool_result",
+            guard=decision if self.guarded else None,
+            result=result,
+            provider_charges_before=self.charges_before,
+            provider_charges_after=charges,
+            effect="a new charge" if charges > self.charges_before else "no new charge",
+        )
+
+    def step(self, event: str, **fields: Any) -> None:
+        """One step of the run's timeline (the receipt's)."""
+        self.timeline.append(
+            {"step": len(self.timeline) + 1, "event": event, "attempt": self.attempt, **fields}
+        )
+
+    # -- the receipt: the control run, and the document --------------------------------
+
+    def summary(self, guard: str) -> dict[str, Any]:
+        """This run for the receipt; its effects are the provider's own list."""
+        charges = [dict(charge) for charge in self.provider.charges]
+        return {
+            "guard": guard,
+            "tool_calls": self.tool_calls,
+            "timeline": self.timeline,
+            "effects": {
+                "count": len(charges),
+                "read_from": "the fake payment provider's own list of charges, not the ledger",
+                "charges": charges,
+            },
+        }
+
+    def receipt(self, path: str) -> int:
+        """Run the control (the same crew, charge_card unguarded, a fresh fake provider)
+        and write the receipt of both runs to `path`; 0 when the control charged once per
+        call and the guarded run once in all."""
+        key = f"charge:{self.invoice}"
+        record = self.backend.get(key)
+        guarded = self.summary(
+            "charge_card(idempotent=True, idempotency_key='charge:{invoice}') on the demo's ledger"
+        )
+        self.say("\n[bold]control[/]: the same crew again, charge_card [bold]without[/] the guard")
+        self.guarded, self.provider = False, FakePaymentProvider()
+        self.decisions, self.attempt, self.tool_calls, self.timeline = [], 0, 0, []
+        self.kickoff(self.build())
+        unguarded = self.summary("none: charge_card is a plain crewai tool")
+        charges = len(self.provider.charges)
+        colour = "red" if charges > 1 else "green"
+        self.say(
+            f"the model called charge_card {self.tool_calls} times; "
+            f"[bold {colour}]charges at the fake provider: {charges}[/]"
+        )
+        counts = guarded["effects"]["count"], unguarded["effects"]["count"]
+        document = receipt_document(
+            "demo",
+            "One charge, a failure injected after the charge and before crewai accepts the "
+            "task (twice: a guardrail rejection, then a model error), and crewai's retries; "
+            "run with the guard, then without it.",
+            {"guarded": guarded, "unguarded": unguarded},
+            action={
+                "tool": "charge_card",
+                "idempotency_key": key,
+                "fingerprint": record.fingerprint if record is not None else None,
+                "arguments": {
+                    "invoice": self.invoice,
+                    "amount_cents": self.amount_cents,
+                    "customer": self.customer,
+                },
+            },
+            verdict={
+                "guarded_effects": counts[0],
+                "unguarded_effects": counts[1],
+                "duplicates_prevented": counts[1] - counts[0],
+            },
+        )
+        try:
+            write_receipt(path, document)
+        except OSError as exc:
+            self.say(f"[red]could not write the receipt:[/] {escape(str(exc))}")
+            return 1
+        self.say(f"receipt written to {escape(path)} [dim](docs/receipts.md reads it)[/]")
+        return 0 if counts == (1, self.tool_calls) and self.tool_calls > 1 else 1
+
+
+_RETRIED_BY = {
+    2: "crewai re-runs the task (the guardrail rejected its output)",
+    3: "crewai re-runs the agent (the model call failed)",
+}
 
 
 def _scripted_failure(record: logging.LogRecord) -> bool:

@@ -7,6 +7,11 @@ replays the small ones, pays the large one once, and the cap refuses a fourth. T
 is a throwaway SQLite file in a temporary folder, deleted when the demo ends (or the
 ledger given: a URL, or a SQLite file); the provider is fake.
 
+With `--receipt FILE` the same two kickoffs then run once more without the guard (the
+control: pay_invoice is a plain tool, with no approval, cap or ledger, on a fresh fake
+bank), and a JSON receipt of both runs is written (_scripted.py,
+docs/receipts.md). crewai's own files for the run go in a throwaway folder too.
+
 Run it with `crewai-idempotent demo-approvals` or `python -m crewai_idempotent.demo_approvals`.
 crewai is imported once the offline environment is set, so this module imports it late.
 """
@@ -26,7 +31,19 @@ from ...gates._approvals import Approvals
 from ...gates._spend import Money, SpendCap, SpendLedger
 from ...ledger._backend import ledger_option
 from .. import install
-from ._scripted import Reply, demo_ledger, go_offline, narrator, say, scripted_model, tool_call
+from ._scripted import (
+    Reply,
+    crewai_files_thrown_away,
+    demo_ledger,
+    go_offline,
+    narrator,
+    receipt_document,
+    say,
+    scripted_model,
+    tool_call,
+    what_crewai_left,
+    write_receipt,
+)
 
 THRESHOLD_CENTS = 500_00
 CAP = 1_200_00
@@ -42,19 +59,35 @@ class FakeBank:
     def pay(self, invoice: str, amount_cents: int) -> str:
         with self._lock:
             receipt = f"pay_{secrets.token_hex(5)}"
-            self.payments.append({"invoice": invoice, "amount_cents": amount_cents})
+            self.payments.append(
+                {"receipt": receipt, "invoice": invoice, "amount_cents": amount_cents}
+            )
             return receipt
 
 
 def run_demo(
-    ledger_path: str | None = None, *, ledger_url: str | None = None, console: Any = None
+    ledger_path: str | None = None,
+    *,
+    ledger_url: str | None = None,
+    console: Any = None,
+    receipt: str | None = None,
 ) -> int:
-    """Run the demo; 0 when the bank saw exactly the three expected payments."""
+    """Run the demo; 0 when the bank saw exactly the three expected payments. With
+    `receipt` (a file name), run the unguarded control after it and write the receipt
+    there; 0 then also needs the control to have paid on every call."""
     go_offline()
     out = narrator(console)
     try:
-        with demo_ledger(ledger_path, ledger_url, "demo-approvals") as (backend, described):
-            return _Demo(out, backend, described).run()
+        with (
+            demo_ledger(ledger_path, ledger_url, "demo-approvals") as (backend, described),
+            crewai_files_thrown_away("demo-approvals") as crewai_made,
+        ):
+            demo = _Demo(out, backend, described)
+            status = demo.run()
+            if receipt is not None:
+                status = max(status, demo.receipt(receipt))
+            what_crewai_left(out, crewai_made())
+            return status
     except (LedgerUnavailable, LedgerConfigurationError) as exc:
         say(out, f"[red]cannot use that ledger:[/] {escape(str(exc))}")
         return 1
@@ -71,6 +104,12 @@ class _Demo:
         self.small = [(f"INV-{tag}-1", 120_00), (f"INV-{tag}-2", 80_00)]
         self.large = (f"INV-{tag}-3", 900_00)
         self.fourth = (f"INV-{tag}-4", 400_00)
+        self.guarded = True
+        self.timeline: list[dict[str, Any]] = []  # the run's steps, for the receipt
+        self.decisions: list[tuple[str, str]] = []  # (executed/replayed, key), from events
+        self.tool_calls = 0
+        self.kickoffs = 0
+        self.before = 0  # payments at the bank when the model last asked for one
 
     def say(self, text: str) -> None:
         say(self.console, text)
@@ -82,16 +121,25 @@ class _Demo:
         install()
         bank = self.bank
 
-        @tool(  # type: ignore[call-overload]  # crewai's stubs don't know our options
-            "pay_invoice",
-            idempotent=True,
-            approval=lambda args, ctx: args["amount_cents"] > THRESHOLD_CENTS,
-            spend=lambda args: Money(args["amount_cents"], "EUR"),
-            caps=[SpendCap(CAP, "EUR", per="kickoff")],
-        )
-        def pay_invoice(invoice: str, amount_cents: int) -> str:
-            """Pay a supplier invoice (amount in euro cents). Returns the payment id."""
-            return bank.pay(invoice, amount_cents)
+        if self.guarded:
+
+            @tool(  # type: ignore[call-overload]  # crewai's stubs don't know our options
+                "pay_invoice",
+                idempotent=True,
+                approval=lambda args, ctx: args["amount_cents"] > THRESHOLD_CENTS,
+                spend=lambda args: Money(args["amount_cents"], "EUR"),
+                caps=[SpendCap(CAP, "EUR", per="kickoff")],
+            )
+            def pay_invoice(invoice: str, amount_cents: int) -> str:
+                """Pay a supplier invoice (amount in euro cents). Returns the payment id."""
+                return bank.pay(invoice, amount_cents)
+
+        else:  # the control: the same body, no guard, no gate, no cap
+
+            @tool("pay_invoice")
+            def pay_invoice(invoice: str, amount_cents: int) -> str:
+                """Pay a supplier invoice (amount in euro cents). Returns the payment id."""
+                return bank.pay(invoice, amount_cents)
 
         agent = Agent(
             role="Accounts payable clerk",
@@ -107,6 +155,8 @@ class _Demo:
             expected_output="The payment ids.",
             agent=agent,
         )
+        if not self.guarded:
+            return Crew(agents=[agent], tasks=[task], verbose=False)
         return Crew(  # type: ignore[call-arg]  # cache_backend is the integration's
             agents=[agent], tasks=[task], verbose=False, cache_backend=self.backend
         )
@@ -123,9 +173,12 @@ class _Demo:
             ]
             if results:  # whole: a refusal says why at its end
                 self.say(f"  tool result: {escape(results[-1].strip())}")
+                self.on_tool_result(invoices[len(results) - 1][0], results[-1].strip())
             if len(results) < len(invoices):
                 invoice, cents = invoices[len(results)]
                 arguments = {"invoice": invoice, "amount_cents": cents}
+                self.before = len(self.bank.payments)
+                self.step("tool_call", tool="pay_invoice", arguments=arguments)
                 return [tool_call(f"call_{len(results)}", "pay_invoice", arguments)]
             return "Done: " + "; ".join(r.strip()[:40] for r in results)
 
@@ -143,10 +196,17 @@ class _Demo:
         first = [*self.small, self.large]
         self.say("[bold]Kickoff 1[/]: " + ", ".join(f"{i} {euros(c)}" for i, c in first))
         try:
-            self.crew(first).kickoff()
+            self.kickoff(first)
         except ApprovalRequired as stopped:
             rid = stopped.request_id
             self.say(f"  [yellow]stopped:[/] {escape(str(stopped))}\n")
+            self.step(
+                "failure_injected",
+                how="the approval gate stops kickoff 1 (ApprovalRequired) at the large invoice",
+                after="the two small invoices were paid",
+                before="the kickoff returns its answer, so nothing acknowledges those payments",
+                crewai_retries="nothing: the operator approves, then the kickoff is run again",
+            )
         else:
             self.say("[red]the kickoff was not stopped for approval[/]")
             return 1
@@ -164,9 +224,11 @@ class _Demo:
             self.ledger, "approvals", "approve", rid, "--reason", "'invoice checked with supplier'"
         )
         self.say(f"[bold]Operator[/]: {escape(approve)}\n")
+        self.step("operator", decision="approved", request=rid, by="demo-operator")
         second = [*self.small, self.large, self.fourth]
         self.say("[bold]Kickoff 2[/]: " + ", ".join(f"{i} {euros(c)}" for i, c in second))
-        self.crew(second).kickoff()
+        self.step("retry", by="the same kickoff again, with a fourth invoice added")
+        self.kickoff(second)
         for budget in SpendLedger(self.backend).budgets():
             self.say(
                 f"  budget {budget.cap} {escape(budget.window)}: {euros(budget.committed)} "
@@ -184,3 +246,127 @@ class _Demo:
             f"once after approval, and {self.fourth[0]} was refused by the per-kickoff cap.[/]"
         )
         return 0
+
+    # -- the receipt: the steps, the control run, and the document -----------------------
+
+    def step(self, event: str, **fields: Any) -> None:
+        """One step of the run's timeline (the receipt's)."""
+        self.timeline.append(
+            {"step": len(self.timeline) + 1, "event": event, "kickoff": self.kickoffs, **fields}
+        )
+
+    def kickoff(self, invoices: list[tuple[str, int]]) -> None:
+        """One kickoff paying `invoices`, its guard decisions heard on the event bus."""
+        from crewai.events.event_bus import crewai_event_bus
+
+        from ..events import IdempotencyClaimEvent, IdempotencyReplayEvent  # imports crewai
+
+        self.kickoffs += 1
+        self.step("kickoff", invoices=[invoice for invoice, _ in invoices])
+        with crewai_event_bus.scoped_handlers():
+
+            @crewai_event_bus.on(IdempotencyClaimEvent)
+            def executed(source: Any, event: Any) -> None:
+                self.decisions.append(("executed", event.key))
+
+            @crewai_event_bus.on(IdempotencyReplayEvent)
+            def replayed(source: Any, event: Any) -> None:
+                self.decisions.append(("replayed", event.key))
+
+            try:
+                self.crew(invoices).kickoff()
+            finally:
+                crewai_event_bus.flush()
+        self.step("acknowledged", how="the kickoff returns its answer")
+
+    def on_tool_result(self, invoice: str, result: str) -> None:
+        from crewai.events.event_bus import crewai_event_bus
+
+        crewai_event_bus.flush()
+        self.tool_calls += 1
+        payments = len(self.bank.payments)
+        decision, key = self.decisions.pop() if self.decisions else ("refused", None)
+        self.decisions.clear()
+        if result.endswith("nothing was run"):  # a spend cap's refusal, as the agent sees it
+            decision = "refused"
+        self.step(
+            "tool_result",
+            invoice=invoice,
+            guard=decision if self.guarded else None,
+            idempotency_key=key,
+            result=result,
+            provider_payments_before=self.before,
+            provider_payments_after=payments,
+            effect="a new payment" if payments > self.before else "no new payment",
+        )
+
+    def summary(self, guard: str) -> dict[str, Any]:
+        """This run for the receipt; its effects are the bank's own list."""
+        payments = [dict(payment) for payment in self.bank.payments]
+        by_invoice: dict[str, int] = {}
+        for payment in payments:
+            by_invoice[payment["invoice"]] = by_invoice.get(payment["invoice"], 0) + 1
+        return {
+            "guard": guard,
+            "tool_calls": self.tool_calls,
+            "timeline": self.timeline,
+            "effects": {
+                "count": len(payments),
+                "by_invoice": by_invoice,
+                "read_from": "the fake bank's own list of payments, not the ledger",
+                "payments": payments,
+            },
+        }
+
+    def receipt(self, path: str) -> int:
+        """Run the control (the same two kickoffs, pay_invoice unguarded, a fresh fake
+        bank) and write the receipt of both runs to `path`; 0 when the control paid on
+        every call and the guarded run each approved invoice once."""
+        keys = [
+            step["idempotency_key"]
+            for step in self.timeline
+            if step["event"] == "tool_result" and step["idempotency_key"]
+        ]
+        actions = []
+        for key in dict.fromkeys(keys):
+            record = self.backend.get(key)
+            invoice = next(s["invoice"] for s in self.timeline if s.get("idempotency_key") == key)
+            fingerprint = record.fingerprint if record is not None else None
+            actions.append({"invoice": invoice, "idempotency_key": key, "fingerprint": fingerprint})
+        guarded = self.summary(
+            f"pay_invoice(idempotent=True), approval above {format_money(THRESHOLD_CENTS, 'EUR')}"
+            f", a cap of {format_money(CAP, 'EUR')} per kickoff, on the demo's ledger"
+        )
+        self.say(
+            "\n[bold]control[/]: the same kickoffs again, pay_invoice [bold]without[/] the guard"
+        )
+        self.guarded, self.bank = False, FakeBank()
+        self.timeline, self.decisions, self.tool_calls, self.kickoffs = [], [], 0, 0
+        first, second = [*self.small, self.large], [*self.small, self.large, self.fourth]
+        self.kickoff(first)  # nothing stops it: no gate
+        self.step("retry", by="the same second kickoff as the guarded run's")
+        self.kickoff(second)
+        unguarded = self.summary("none: pay_invoice is a plain crewai tool")
+        paid = len(self.bank.payments)
+        self.say(f"the bank made {paid} payments without the guard")
+        counts = guarded["effects"]["count"], unguarded["effects"]["count"]
+        document = receipt_document(
+            "demo-approvals",
+            "Two small invoices paid, then the approval gate stops the kickoff at a large one; "
+            "an operator approves; the kickoff runs again with a fourth invoice that the "
+            "per-kickoff cap refuses. Run with the guard, then without it.",
+            {"guarded": guarded, "unguarded": unguarded},
+            action={"tool": "pay_invoice", "calls": actions},
+            verdict={
+                "guarded_effects": counts[0],
+                "unguarded_effects": counts[1],
+                "duplicates_prevented": counts[1] - counts[0],
+            },
+        )
+        try:
+            write_receipt(path, document)
+        except OSError as exc:
+            self.say(f"[red]could not write the receipt:[/] {escape(str(exc))}")
+            return 1
+        self.say(f"receipt written to {escape(path)} [dim](docs/receipts.md reads it)[/]")
+        return 0 if counts == (3, self.tool_calls) else 1

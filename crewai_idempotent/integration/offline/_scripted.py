@@ -1,5 +1,13 @@
 """What the offline demos and `doctor --self-test` share: a scripted stand-in for the LLM,
-the environment that keeps crewai offline, and the demos' narration.
+the environment that keeps crewai offline, the demos' narration, their throwaway folders
+for crewai's files, and their reproduction receipts.
+
+A receipt (`crewai-idempotent demo --receipt FILE`, `demo-approvals --receipt FILE`) is one
+JSON document for a bug report or a discussion upstream (docs/receipts.md reads each field):
+the demo runs guarded, then the same crew without the guard (the control that shows the
+duplicate); each run's timeline is what the crew did, step by step, and its effects are
+read from the fake provider's own list, never from the ledger. The demos record the steps;
+this module assembles and writes the document.
 
 A scripted model answers every turn by calling the reply function registered under its
 model name, so the model class has no fields of its own: the same class works whether
@@ -14,11 +22,14 @@ import contextlib
 import functools
 import json
 import os
+import platform
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +43,10 @@ OFFLINE = {
     "OTEL_SDK_DISABLED": "true",
     "CREWAI_TRACING_ENABLED": "false",
 }
+
+# crewai's storage folder (crewai_core.paths.db_storage_path): a name in the user's data
+# folder, or an absolute path used as it is.
+STORAGE_ENV = "CREWAI_STORAGE_DIR"
 
 # Entries are never removed: a crew may call its model until the process ends, and a
 # process makes a handful of models (the self-test: one per check).
@@ -147,6 +162,66 @@ def demo_ledger(
         yield backend, described
 
 
+@contextlib.contextmanager
+def crewai_files_thrown_away(command: str) -> Iterator[Callable[[], list[str]]]:
+    """crewai's own files for a demo's run, in a throwaway folder deleted when it ends: its
+    storage folder (CREWAI_STORAGE_DIR: every kickoff writes latest_kickoff_task_outputs.db
+    there, else in the user's data folder under the current directory's name) and the temp
+    folder (crewai keeps a lock file there for each SQLite file, named by the file's path,
+    and never removes it). Both are process-wide while it lasts (a demo owns its process)
+    and as they were afterwards. Enter it before crewai is imported: some of its modules
+    make the storage folder when they are imported.
+
+    Yields what says, at the end of the run, which of crewai's per-user folders crewai made
+    meanwhile (importing crewai makes them the first time, whatever imports it), so that
+    the demo can say what it leaves."""
+    before = {path for path in _crewai_user_folders() if path.exists()}
+    with tempfile.TemporaryDirectory(prefix=f"crewai-idempotent-{command}-crewai-") as folder:
+        temp = Path(folder) / "tmp"
+        temp.mkdir()
+        storage, tempdir = os.environ.get(STORAGE_ENV), tempfile.tempdir
+        os.environ[STORAGE_ENV] = str(Path(folder) / "storage")  # absolute: used as is
+        tempfile.tempdir = str(temp)
+        try:
+            yield lambda: [
+                str(path) for path in _crewai_user_folders() if path.exists() and path not in before
+            ]
+        finally:
+            tempfile.tempdir = tempdir
+            if storage is None:
+                os.environ.pop(STORAGE_ENV, None)
+            else:
+                os.environ[STORAGE_ENV] = storage
+
+
+def what_crewai_left(console: Any, made: list[str]) -> None:
+    """Say which of crewai's per-user folders appeared during the demo (`made`): the only
+    files it leaves. The demo's own, and crewai's for the run, went with their folders."""
+    if made:
+        from rich.markup import escape
+
+        say(
+            console,
+            "[dim]left behind: "
+            + ", ".join(escape(path) for path in made)
+            + " (crewai makes them the first time it is imported, and keeps them: its "
+            "login key and its settings); nothing else[/]",
+        )
+
+
+def _crewai_user_folders() -> list[Path]:
+    """Where crewai keeps files of its own per user, whatever runs it (crewai_core: the key
+    for its platform login's tokens, and its settings)."""
+    home = Path.home()
+    if sys.platform == "win32":
+        data = Path(os.environ.get("LOCALAPPDATA") or home)
+    elif sys.platform == "darwin":
+        data = home / "Library" / "Application Support"
+    else:
+        data = home / ".local" / "share"
+    return [data / "crewai", home / ".config" / "crewai"]
+
+
 def command_line(run: Callable[[str | None], int], module: str, argv: list[str] | None) -> int:
     """`python -m MODULE [LEDGER_PATH]`: run a demo on the SQLite file given, else on a
     throwaway ledger."""
@@ -155,3 +230,83 @@ def command_line(run: Callable[[str | None], int], module: str, argv: list[str] 
         print(f"usage: python -m {module} [LEDGER_PATH]")
         return 2
     return run(args[0] if args else None)
+
+
+# -- reproduction receipts ------------------------------------------------------------
+
+RECEIPT_SCHEMA = "crewai-idempotent.receipt/1"
+
+
+def receipt_unwritable(path: str) -> str | None:
+    """Why a receipt cannot be written to `path`, or None if it can: said before the demo
+    runs, so a bad path costs nothing. Nothing is created."""
+    try:
+        return _receipt_unwritable(Path(path))
+    except OSError as exc:  # a folder on the way that this user may not look into
+        return f"cannot look at {path}: {exc.strerror or exc}"
+
+
+def _receipt_unwritable(target: Path) -> str | None:
+    path = str(target)
+    folder = target.parent
+    if target.is_dir():
+        return f"{path} is a folder; give a file name for the receipt"
+    if not folder.exists():
+        return f"the folder {folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if target.exists() and not os.access(target, os.W_OK):
+        return f"{path} cannot be written (no write permission)"
+    if not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} cannot be written (no write permission)"
+    return None
+
+
+def receipt_versions() -> dict[str, str]:
+    """The exact versions the receipt was made with (installed distributions' metadata)."""
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "crewai": installed("crewai"),
+        "crewai_idempotent": installed("crewai-idempotent"),
+        "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "python_build": " ".join(sys.version.split()),
+        "platform": platform.platform(),
+    }
+
+
+def receipt_document(
+    demo: str, scenario: str, runs: dict[str, Any], **fields: Any
+) -> dict[str, Any]:
+    """The receipt: `demo` (the command), `scenario` (one sentence), the `runs` ("guarded"
+    and "unguarded"), and any other top-level `fields` (the action, the verdict)."""
+    return {
+        "schema": RECEIPT_SCHEMA,
+        "demo": demo,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": receipt_versions(),
+        "scenario": scenario,
+        **fields,
+        "runs": runs,
+    }
+
+
+def write_receipt(path: str, receipt: dict[str, Any]) -> None:
+    """Write `receipt` to `path` whole or not at all (a temporary file beside it, renamed).
+    Raises OSError if it cannot be written."""
+    target = Path(path)
+    handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(receipt, out, indent=2, sort_keys=False, default=str)
+            out.write("\n")
+        os.replace(temp, target)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,12 @@ def isolated_crewai(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.delenv("CREWAI_STORAGE_DIR", raising=False)
     monkeypatch.delenv("CREWAI_IDEMPOTENCY_URL", raising=False)
     monkeypatch.delenv("CREWAI_IDEMPOTENCY_NOTIFY", raising=False)
+    # crewai locks each SQLite file it keeps with a lock file in the temp folder, named by
+    # the file's path and never removed: a test's files are new each time, so its locks
+    # go in tmp_path with them.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     _forget_ledgers()
     yield data
     _forget_ledgers()
@@ -73,6 +80,8 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         CREWAI_TESTING="true",
         OPENAI_API_KEY="sk-fake-not-used",
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        # The test's temp folder (inside tmp_path under isolated_crewai): crewai's lock files.
+        TMPDIR=tempfile.gettempdir(),
     )
     env.update(extra)
     return env
