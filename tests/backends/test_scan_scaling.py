@@ -277,3 +277,40 @@ def test_sqlite_scans_are_ranges_of_an_index_never_a_sort(tmp_path: Path) -> Non
             assert "TEMP B-TREE" not in plan, plan
     finally:
         conn.close()
+
+
+def test_approvals_written_before_the_documents_index_are_still_listed(store: Any) -> None:
+    """A ledger from before its store indexed the documents (Redis's `<prefix>docs`, the
+    file lock's `documents/` markers, PostgreSQL's partial index): a listing, now read
+    through that index, finds the requests written then."""
+    import shutil
+
+    ledger = Ledger(store)
+    for cents in (60_000, 70_000):
+        with pytest.raises(ApprovalRequired):
+            plan = _approval_plan(cents)
+            ledger.run(f"pay:{cents}", lambda: "paid", fingerprint=plan.fingerprint, stage=plan)
+    if isinstance(store, FileLockCacheBackend):
+        shutil.rmtree(store.directory / "documents")
+        later: Any = FileLockCacheBackend(store.directory, fsync=False)
+    elif _redis(store):
+        store.client.delete(f"{store.prefix}docs", f"{store.prefix}docs:complete")
+        later = backend_from_url(store.url + "&check_persistence=false")
+    elif isinstance(store, SQLiteCacheBackend):
+        later = SQLiteCacheBackend(store.path)  # its index is the primary key: nothing to lose
+    else:
+
+        def drop(conn: Any, _resent: bool) -> None:
+            (name,) = conn.execute(
+                "SELECT indexname FROM pg_indexes WHERE tablename = %s AND indexname LIKE %s",
+                (store.table, "%\\_docs"),
+            ).fetchone()
+            conn.execute(f'DROP INDEX "{name}"')
+
+        store._call("dropping the documents' index", drop, retry=False)
+        later = backend_from_url(store.url + "&check_durability=false")
+    try:
+        listed = [r.summary["amount_cents"] for r in Approvals(later).list()]
+        assert listed == [60_000, 70_000]
+    finally:
+        later.close()
