@@ -59,8 +59,9 @@ class InMemoryCacheBackend(CacheBackend):
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
         with self._lock:
-            records = sorted(self._records.values(), key=lambda r: r.updated_at)
-        return iter([r for r in records if status is None or r.status is status])
+            found = [r for r in self._records.values() if status is None or r.status is status]
+        # A snapshot of references (the records are in memory already), in key order.
+        return iter(sorted(found, key=lambda r: r.key))
 
     def scan_prefix(self, prefix: str) -> Iterator[Record]:
         with self._lock:

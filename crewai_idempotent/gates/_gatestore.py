@@ -43,10 +43,14 @@ def read(backend: CacheBackend, key: str) -> dict[str, Any] | None:
 
 
 def scan(backend: CacheBackend, kind: str) -> Iterator[dict[str, Any]]:
-    """Every document whose key starts with PREFIX + kind."""
-    start = PREFIX + kind
-    for record in backend.scan(Status.COMMITTED):
-        if record.key.startswith(start) and record.fingerprint == _FINGERPRINT:
+    """Every document whose key starts with PREFIX + kind, in key order.
+
+    Read from the store's index of the documents (`scan_prefix`), so a listing of
+    approvals or caps reads those documents, not every record in the ledger. A document
+    is always COMMITTED; a record under the prefix in another status, or with another
+    fingerprint, is not one (a key a tool of someone's may have used) and is skipped."""
+    for record in backend.scan_prefix(PREFIX + kind):
+        if record.status is Status.COMMITTED and record.fingerprint == _FINGERPRINT:
             yield _doc(record)
 
 

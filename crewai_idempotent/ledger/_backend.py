@@ -88,8 +88,20 @@ class CacheBackend(ABC):
 
     @abstractmethod
     def scan(self, status: Status | None = None) -> Iterator[Record]:
-        """Every record (or every record in `status`), oldest update first. Raises what
-        `get` raises."""
+        """Every record (or every record in `status`), yielded as it is read.
+
+        A stream, not a list: the stores read a bounded batch at a time (a few hundred
+        records per statement or round trip, the connection given back between batches),
+        so a scan's memory does not grow with the ledger, and the caller may write (or
+        delete) between records. What a caller may rely on while the ledger changes under
+        the scan: a record that exists (and, with `status`, keeps it) from the scan's
+        start to its end is yielded, in a version it had meanwhile; one inserted or
+        deleted meanwhile may or may not be. The order is the store's own and is not the
+        order of updates: a caller that shows records oldest first sorts them. SQLite,
+        PostgreSQL and the file lock go in an order of the key (which never changes), so
+        each record is yielded once; Redis walks its keyspace (or a status index) with
+        SCAN, which can yield a record twice if the server resizes its table meanwhile.
+        Raises what `get` raises, when the batch that fails is read."""
 
     @abstractmethod
     def delete(self, current: Record) -> bool:
@@ -99,10 +111,13 @@ class CacheBackend(ABC):
     def scan_prefix(self, prefix: str) -> Iterator[Record]:
         """Every record whose key starts with `prefix`, in key order (by code point).
 
-        What the outbox's dispatcher polls (`crewai-idempotent/outbox/`), so a store should
-        answer it for the `DOCUMENTS` prefix without reading every record; this default
-        reads them all, which is right for a store of your own but slow at a million.
-        Raises what `scan` raises (`LedgerUnavailable` when the store cannot be read)."""
+        What the outbox's dispatcher polls (`crewai-idempotent/outbox/`) and what lists
+        approvals and spend caps, so a store should answer it for the `DOCUMENTS` prefix
+        without reading every record; this default reads them all, which is right for a
+        store of your own but slow at a million. The stores stream the documents as
+        `scan` streams records, in batches that each start after the last key read, so a
+        document that stays is yielded once. Raises what `scan` raises
+        (`LedgerUnavailable` when the store cannot be read)."""
         found = [record for record in self.scan() if record.key.startswith(prefix)]
         found.sort(key=lambda record: record.key)
         return iter(found)

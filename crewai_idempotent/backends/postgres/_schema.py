@@ -44,7 +44,7 @@ _MIGRATIONS: dict[int, list[str]] = {
         "CREATE INDEX IF NOT EXISTS {index} ON {table} (status, updated_at)",
         # The package's own documents (the outbox, approvals, caps) by key, compared as
         # bytes whatever the database's collation: `scan_prefix` for them is a range of
-        # this small index. Tables made before it lack it (`Statements.scan_documents`).
+        # this small index. Tables made before it lack it (`Statements.scans`).
         "CREATE INDEX IF NOT EXISTS {docs_index} ON {table} (key text_pattern_ops) "
         f"WHERE key LIKE '{DOCUMENTS}%'",
     ],
@@ -107,8 +107,6 @@ class Statements:
             "(token = %(token)s AND revision = %(revision)s AND doc = %(doc)s))"
         )
         self.get = f"SELECT doc FROM {t} WHERE key = %s"
-        self.scan_all = f"SELECT doc FROM {t} ORDER BY updated_at, key"
-        self.scan_status = f"SELECT doc FROM {t} WHERE status = %s ORDER BY updated_at, key"
         self.delete = f"DELETE FROM {t} WHERE key = %s AND token = %s AND revision = %s"
         # Prefix scans compare bytes (text_pattern_ops' operators, and C order): under a
         # linguistic collation a range of the primary key is not a prefix. The documents'
@@ -119,13 +117,32 @@ class Statements:
             f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {self.docs_index} ON {t} "
             f"(key text_pattern_ops) WHERE key LIKE '{DOCUMENTS}%'"
         )
-        order = 'ORDER BY key COLLATE "C"'
-        self.scan_documents = (
-            f"SELECT doc FROM {t} WHERE key LIKE '{DOCUMENTS}%%' AND key ~>=~ %s "
-            f"AND key ~<~ %s {order}"
-        )
-        self.scan_range = f"SELECT doc FROM {t} WHERE key ~>=~ %s AND key ~<~ %s {order}"
-        self.scan_from = f"SELECT doc FROM {t} WHERE key ~>=~ %s {order}"
+        # Every scan reads a batch per statement (`LIMIT`), the first from its start, each
+        # later one after the last key read: keyset pagination on the key, which never
+        # changes, so a record that stays is read once however often it is written.
+        # `scans[kind, first]` takes the kind's own parameters, the start (or the last key
+        # read) and the batch size. All records and a status go in the primary key's order
+        # (the database's collation): the primary key serves the first, and the second
+        # either the (status, updated_at) index and a sort of that status's rows (a rare
+        # status: what the sweeper asks for) or the primary key filtered by status (a
+        # common one); the planner chooses, as each statement is planned for its values.
+        # Prefixes go in byte order, the documents' from their partial index (another
+        # prefix is read whole: `PostgresCacheBackend.scan_prefix`).
+        select = f"SELECT key, doc FROM {t} WHERE "
+        docs = f"key LIKE '{DOCUMENTS}%%' AND "
+        self.scans = {
+            (kind, first): select + where.format(op=">=" if first else ">")
+            + (" ORDER BY key LIMIT %s" if kind in ("all", "status") else
+               " ORDER BY key USING ~<~ LIMIT %s")
+            for kind, where in (
+                ("all", "key {op} %s"),
+                ("status", "status = %s AND key {op} %s"),
+                ("documents", docs + "key ~<~ %s AND key ~{op}~ %s"),
+                ("range", "key ~<~ %s AND key ~{op}~ %s"),
+                ("from", "key ~{op}~ %s"),
+            )
+            for first in (True, False)
+        }  # fmt: skip
 
 
 def check_version(version: int, sql: Statements, where: str) -> None:

@@ -59,6 +59,7 @@ from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
 from ...ledger._record import Record, Status, read_record
 from .._clock import ServerClock
 from .._options import configuration_errors, flag, redact, split_server_options, with_options
+from .._scan import BATCH, ScanCounter, ScanStats
 from ._deadline import GRACE_S, Budget, Connecting, watchdog
 from ._durability import durability_problems, read_durability
 from ._schema import DEFAULT_TABLE, SCHEMA_VERSION, Statements, check_version, migrate
@@ -155,6 +156,7 @@ class PostgresCacheBackend(CacheBackend):
         self._clock = ServerClock("PostgreSQL", self._read_clock, clock_refresh_s)
         self._closed = False
         self._documents_indexed = False
+        self._scans = ScanCounter()
         self._reset_process_state()
         _fork.register(self)
 
@@ -583,34 +585,55 @@ class PostgresCacheBackend(CacheBackend):
         return None if row is None else self._decode(row[0])
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
-        params: tuple[str, ...] = ()
         if status is None:
-            query = self._sql.scan_all
-        else:
-            query, params = self._sql.scan_status, (status.value,)
-        rows = self._call(
-            "listing records",
-            lambda conn, _resent: conn.execute(query, params).fetchall(),
-            retry=True,
-        )
-        return iter([self._decode(row[0]) for row in rows])
+            return self._scan_batches("all", (), "")
+        return self._scan_batches("status", (status.value,), "")
 
     def scan_prefix(self, prefix: str) -> Iterator[Record]:
         end = prefix_end(prefix)
-        params: tuple[str, ...]
         if end is not None and prefix.startswith(DOCUMENTS):
             self._check_documents_index()
-            query, params = self._sql.scan_documents, (prefix, end)
-        elif end is not None:
-            query, params = self._sql.scan_range, (prefix, end)
-        else:
-            query, params = self._sql.scan_from, (prefix,)
+            return self._scan_batches("documents", (end,), prefix)
+        # Another prefix has no index in byte order (the primary key's is the collation's):
+        # each batch would read and sort the table again, so it is one statement.
+        params: tuple[str, ...] = (end, prefix) if end is not None else (prefix,)
+        query = self._sql.scans["range" if end is not None else "from", True]
+        query = query.removesuffix(" LIMIT %s")
         rows = self._call(
             "listing records by key",
             lambda conn, _resent: conn.execute(query, params).fetchall(),
             retry=True,
         )
-        return iter([self._decode(row[0]) for row in rows])
+        self._scans.read(len(rows))
+        return iter([self._decode(doc) for _key, doc in rows])
+
+    def _scan_batches(self, kind: str, head: tuple[str, ...], start: str) -> Iterator[Record]:
+        """Yield the rows of the scan `kind` from the key `start` on, a batch at a time.
+        Each batch is one call: its connection goes back to the pool before a record is
+        yielded, so a caller that stops iterating holds none."""
+        sql = self._sql.scans
+
+        def batch(query: str, at: str) -> Callable[[psycopg.Connection[Any], bool], list[Any]]:
+            # Never prepared: a generic plan, not knowing the status asked for, would
+            # read a common status's rows through its index and sort them every batch.
+            return lambda conn, _resent: conn.execute(
+                query, (*head, at, BATCH), prepare=False
+            ).fetchall()
+
+        rows = self._call("listing records", batch(sql[kind, True], start), retry=True)
+        while True:
+            self._scans.read(len(rows))
+            for _key, doc in rows:
+                yield self._decode(doc)
+            if len(rows) < BATCH:
+                return
+            after = rows[-1][0]
+            rows = self._call("listing records", batch(sql[kind, False], after), retry=True)
+
+    def scan_stats(self) -> ScanStats:
+        """What this backend's scans have read in this process: see `ScanStats`.
+        Raises nothing."""
+        return self._scans.stats()
 
     def _check_documents_index(self) -> None:
         """A table made by an earlier version has no index of the documents: their scans

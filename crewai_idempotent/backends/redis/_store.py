@@ -57,6 +57,7 @@ from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
 from ...ledger._record import Record, Status, read_record
 from .._clock import ServerClock
 from .._options import configuration_errors, flag, redact, split_server_options, with_options
+from .._scan import BATCH, ScanCounter, ScanStats
 from ._deadline import bounded, deadline
 from ._scripts import CLAIM, DELETE, REPLACE
 
@@ -128,6 +129,7 @@ class RedisCacheBackend(CacheBackend):
         # Set once every document is in `_documents`, those written before it existed too.
         self._documents_complete = f"{prefix}docs:complete"
         self._documents_checked = False
+        self._scans = ScanCounter()
         self._clock = ServerClock("Redis", self._read_clock, clock_refresh_s)
         self._checked = not check_persistence
         self._check_lock = threading.Lock()
@@ -338,61 +340,98 @@ class RedisCacheBackend(CacheBackend):
         return None if held is None else self._decode(held)
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
-        statuses = _STATUSES if status is None else (status,)
+        if status is None:
+            # Every record's hash, by SCAN over the keyspace: a record's hash keeps its
+            # name through every write, while a scan of the status indexes one after
+            # another would miss a record that moves to one already read.
+            pattern = f"{_glob_escape(self.prefix)}r:*"
+            start = len(self.prefix) + 2
 
-        def list_indexes(_resent: bool) -> list[Any]:
+            def step(cursor: int) -> tuple[int, list[str]]:
+                at, names = self.client.scan(cursor, match=pattern, count=BATCH)
+                return at, [_text(name)[start:] for name in names]
+
+            return self._scan_cursor(step, None, own=True)
+        index = self._index(status)
+
+        def step_index(cursor: int) -> tuple[int, list[str]]:
+            at, members = self.client.zscan(index, cursor, count=BATCH)
+            return at, [_text(member) for member, _score in members]
+
+        return self._scan_cursor(step_index, status)
+
+    def _scan_cursor(
+        self, step: Callable[[int], tuple[int, list[str]]], status: Status | None, own: bool = False
+    ) -> Iterator[Record]:
+        """Walk a SCAN-family cursor, reading each step's records before the next step.
+
+        Redis promises that a full walk returns every element present from its start to
+        its end, whatever is written meanwhile, and may return one twice (when the table
+        is resized under the walk): a repeat is told apart here only within a step."""
+        cursor = 0
+        while True:
+
+            def walk(_resent: bool, at: int = cursor) -> tuple[int, list[str]]:
+                return step(at)
+
+            cursor, keys = self._call("listing records", walk)
+            yield from self._read_records(keys, status, own)
+            if not cursor:
+                return
+
+    def _read_records(
+        self, keys: list[str], status: Status | None = None, own: bool = False
+    ) -> Iterator[Record]:
+        """The records under `keys` (in that order), those deleted since they were listed
+        (and, with `status`, those that have left it) left out: one round trip. With
+        `own`, only records whose key is the one they are stored under: a SCAN of this
+        prefix's records also matches those of a ledger whose prefix extends this one's
+        (`p:` and `p:r:x:`)."""
+        if not keys:
+            self._scans.read(0)
+            return
+        keys = list(dict.fromkeys(keys))
+
+        def read(_resent: bool) -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
-            for one in statuses:
-                pipe.zrange(self._index(one), 0, -1, withscores=True)
+            for key in keys:
+                pipe.hget(self._record_key(key), "doc")
             return pipe.execute()
 
-        def read(keys: list[str]) -> Callable[[bool], list[Any]]:
-            def read_(_resent: bool) -> list[Any]:
-                pipe = self.client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.hget(self._record_key(key), "doc")
-                return pipe.execute()
-
-            return read_
-
-        listed = self._call("listing records", list_indexes)
-        entries = sorted((score, _text(key)) for members in listed for key, score in members)
-        records: list[Record] = []
-        for start in range(0, len(entries), 500):
-            keys = [key for _score, key in entries[start : start + 500]]
-            docs = self._call("reading records", read(keys))
-            # A record deleted since the index was read is simply gone.
-            records.extend(self._decode(doc) for doc in docs if doc is not None)
-        if status is not None:
-            records = [r for r in records if r.status is status]
-        records.sort(key=lambda r: r.updated_at)
-        return iter(records)
+        docs = self._call("reading records", read)
+        self._scans.read(len(keys))
+        for key, doc in zip(keys, docs, strict=True):
+            if doc is not None:
+                record = self._decode(doc)
+                if (status is None or record.status is status) and (not own or record.key == key):
+                    yield record
 
     def scan_prefix(self, prefix: str) -> Iterator[Record]:
         if not prefix.startswith(DOCUMENTS):
             return super().scan_prefix(prefix)
         self._index_documents()
         end = prefix_end(prefix)
-        low, high = f"[{prefix}", "+" if end is None else f"({end}"
-        members = self._call(
-            "listing documents",
-            lambda _resent: self.client.zrangebylex(self._documents, low, high),
-        )
-        keys = [_text(member) for member in members]
-        records: list[Record] = []
-        for start in range(0, len(keys), 500):
-            chunk = keys[start : start + 500]
+        return self._scan_documents(f"[{prefix}", "+" if end is None else f"({end}")
 
-            def read(_resent: bool, chunk: list[str] = chunk) -> list[Any]:
-                pipe = self.client.pipeline(transaction=False)
-                for key in chunk:
-                    pipe.hget(self._record_key(key), "doc")
-                return pipe.execute()
+    def _scan_documents(self, low: str, high: str) -> Iterator[Record]:
+        """The documents between `low` and `high` (ZRANGEBYLEX bounds) in byte order, a
+        batch at a time, each after the last member read: a member of the documents'
+        index never moves (all score 0), so a document that stays is read once."""
+        while True:
 
-            # A record deleted since the index was read is simply gone.
-            docs = self._call("reading documents", read)
-            records.extend(self._decode(doc) for doc in docs if doc is not None)
-        return iter(sorted(records, key=lambda r: r.key))
+            def listing(_resent: bool, low: str = low) -> Any:
+                return self.client.zrangebylex(self._documents, low, high, start=0, num=BATCH)
+
+            keys = [_text(member) for member in self._call("listing documents", listing)]
+            yield from self._read_records(keys)
+            if len(keys) < BATCH:
+                return
+            low = f"({keys[-1]}"
+
+    def scan_stats(self) -> ScanStats:
+        """What this backend's scans have read in this process: see `ScanStats`.
+        Raises nothing."""
+        return self._scans.stats()
 
     def _index_documents(self) -> None:
         """Documents written before the index existed join it, once per prefix: the
@@ -466,6 +505,11 @@ def _text(value: Any) -> Any:
     if isinstance(value, dict):
         return {_text(k): _text(v) for k, v in value.items()}
     return value
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a SCAN pattern."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
 def _describe(client: redis.Redis) -> str:

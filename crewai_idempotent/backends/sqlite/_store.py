@@ -33,6 +33,7 @@ from ...ledger._hostclock import this_host
 from ...ledger._record import Peek, Record, Status, read_peek, read_record
 from .._options import flag, local_options, seconds, with_options
 from .._paths import check_existing_file, private_file
+from .._scan import BATCH, ScanCounter, ScanStats
 from ._fork import Gate, refusal_message, taint, tainted
 from ._group import Group
 
@@ -61,8 +62,21 @@ _REPLACE = (
 )
 _GET = "SELECT doc FROM idempotency_records WHERE key = ?"
 _DELETE = "DELETE FROM idempotency_records WHERE key = ? AND token = ? AND revision = ?"
-_SCAN_RANGE = "SELECT doc FROM idempotency_records WHERE key >= ? AND key < ? ORDER BY key"
-_SCAN_FROM = "SELECT doc FROM idempotency_records WHERE key >= ? ORDER BY key"
+# Scans read `BATCH` rows per statement in key order, the first from the scan's start
+# (`>=`), each later one after the last key read (`>`): keyset pagination. The primary key
+# serves every one, and the status index too, whose entries in a WITHOUT ROWID table end
+# with the primary key (status, key). A key never changes, so a record that stays is read
+# once, however often it is written meanwhile.
+_SELECT = "SELECT key, doc FROM idempotency_records WHERE "
+_SCANS = {
+    (kind, op): _SELECT + where.format(op=op) + " ORDER BY key LIMIT ?"
+    for kind, where in (
+        ("all", "key {op} ?"),
+        ("status", "status = ? AND key {op} ?"),
+        ("range", "key {op} ? AND key < ?"),
+    )
+    for op in (">=", ">")
+}
 
 # The slots of a thread's connections (`_ready`).
 _PLAIN, _CLAIM = "conn", "claim_conn"
@@ -154,6 +168,7 @@ class SQLiteCacheBackend(CacheBackend):
         self._pid = os.getpid()
         self._quiesced = False
         self._closed = False
+        self._scans = ScanCounter()
         _backends.add(self)
         _fork.register(self)
 
@@ -520,22 +535,37 @@ class SQLiteCacheBackend(CacheBackend):
         return None if row is None else read_peek(row[0], self._where)
 
     def scan(self, status: Status | None = None) -> Iterator[Record]:
-        params: tuple[str, ...] = ()
         if status is None:
-            sql = "SELECT doc FROM idempotency_records ORDER BY updated_at"
-        else:
-            sql = "SELECT doc FROM idempotency_records WHERE status = ? ORDER BY updated_at"
-            params = (status.value,)
-        rows = self._guard(_fetch_all, sql, params)
-        return iter([read_record(row[0], self._where) for row in rows])
+            return self._scan_batches("all", (), "")
+        return self._scan_batches("status", (status.value,), "")
 
     def scan_prefix(self, prefix: str) -> Iterator[Record]:
         # A range of the primary key: TEXT compares as UTF-8 bytes, code point order.
         end = prefix_end(prefix)
-        sql: str = _SCAN_RANGE if end is not None else _SCAN_FROM
-        params: tuple[str, ...] = (prefix,) if end is None else (prefix, end)
-        rows = self._guard(_fetch_all, sql, params)
-        return iter([read_record(row[0], self._where) for row in rows])
+        if end is None:
+            return self._scan_batches("all", (), prefix)
+        return self._scan_batches("range", (), prefix, (end,))
+
+    def _scan_batches(
+        self, kind: str, head: tuple[str, ...], start: str, tail: tuple[str, ...] = ()
+    ) -> Iterator[Record]:
+        """Yield the rows of the scan `kind` from the key `start` on, a batch at a time.
+        Each batch is one statement, read whole: no read transaction is held while the
+        caller has a record (it may write, and the WAL must be free to checkpoint)."""
+        rows = self._guard(_fetch_all, _SCANS[kind, ">="], (*head, start, *tail, BATCH))
+        while True:
+            self._scans.read(len(rows))
+            for _key, doc in rows:
+                yield read_record(doc, self._where)
+            if len(rows) < BATCH:
+                return
+            after = rows[-1][0]
+            rows = self._guard(_fetch_all, _SCANS[kind, ">"], (*head, after, *tail, BATCH))
+
+    def scan_stats(self) -> ScanStats:
+        """What this backend's scans have read in this process: see `ScanStats`.
+        Raises nothing."""
+        return self._scans.stats()
 
     def delete(self, current: Record) -> bool:
         return self._guard(_changed, _DELETE, (current.key, current.token, current.revision))
