@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import click
@@ -93,34 +94,39 @@ def _filters(function: Any) -> Any:
 
 def _select(
     where: Where, filters: dict[str, Any], entries: bool = True
-) -> tuple[Ledger, list[Record], float]:
+) -> tuple[Ledger, Iterator[Record], float]:
+    """The ledger, the records `filters` pick (streamed in the store's key order: iterate
+    them inside `ledger_errors`, where a read that fails is said as the others are), and
+    the store's time the filters were judged by."""
     older, newer = duration(filters["older_than"]), duration(filters["newer_than"])
     status, stale = filters["status"], filters["stale"]
     prefixes = [p for p in (filters["prefix"],) if p is not None]
     if filters["tool"] is not None:
         prefixes.append(f"{filters['tool']}:")
+    # The outbox's entries have their own command (`notifications ls`); a --prefix that
+    # names them shows them here too.
+    hide_entries = not entries and not any(
+        p.startswith(OUTBOX[: len(p)]) and len(p) > len(PREFIX) for p in prefixes
+    )
     with ledger_errors(where.scrub):
         ledger = where.ledger()
         wanted = Status(status.upper()) if status else (Status.PENDING if stale else None)
-        records = ledger.records(wanted)
         now = ledger.backend.now()
-        if stale:
-            records = [r for r in records if _stale(ledger, r, now)]
-    if filters["needs_operator"]:
-        records = [r for r in records if r.needs_operator]
-    if not entries and not any(
-        p.startswith(OUTBOX[: len(p)]) and len(p) > len(PREFIX) for p in prefixes
-    ):
-        # The outbox's entries have their own command (`notifications ls`); a --prefix
-        # that names them shows them here too.
-        records = [r for r in records if not is_entry(r)]
-    for prefix in prefixes:
-        records = [r for r in records if r.key.startswith(prefix)]
-    if older is not None:
-        records = [r for r in records if now - r.updated_at >= older]
-    if newer is not None:
-        records = [r for r in records if now - r.updated_at < newer]
-    return ledger, records, now
+
+    def picked(record: Record) -> bool:
+        if stale and not _stale(ledger, record, now):
+            return False
+        if filters["needs_operator"] and not record.needs_operator:
+            return False
+        if hide_entries and is_entry(record):
+            return False
+        if not all(record.key.startswith(prefix) for prefix in prefixes):
+            return False
+        if older is not None and now - record.updated_at < older:
+            return False
+        return newer is None or now - record.updated_at < newer
+
+    return ledger, filter(picked, ledger.scan(wanted)), now
 
 
 @click.command("ls")
@@ -129,7 +135,10 @@ def _select(
 @click.pass_obj
 def list_records(where: Where, as_json: bool, **filters: Any) -> None:
     """List records, oldest update first (the outbox's entries: `notifications ls`)."""
-    ledger, records, now = _select(where, filters, entries=False)
+    ledger, found, now = _select(where, filters, entries=False)
+    with ledger_errors(where.scrub):
+        # A table sizes its columns by every row, and a person reads oldest first.
+        records = sorted(found, key=lambda record: (record.updated_at, record.key))
     if as_json:
         click.echo(
             machine([json.loads(r.to_json()) | {"stale": _stale(ledger, r, now)} for r in records])
@@ -170,16 +179,20 @@ def export(where: Where, **filters: Any) -> None:
 
     One JSON object per line, ASCII only: the record as `show --json` gives it, with each
     history event as an object (at, at_utc, kind, token, by, note). Filters as for `ls`.
+    Streamed in key order, so its memory stays flat however large the ledger is.
     """
     ledger, records, _ = _select(where, filters)
-    for record in records:
-        doc = json.loads(record.to_json())
-        # Named fields and readable times: an audit trail is read by people and tools alike.
-        doc["history"] = [
-            dataclasses.asdict(event) | {"at_utc": stamp(event.at)} for event in record.history
-        ]
-        doc["stale"] = ledger.is_stale(record)
-        click.echo(machine(doc, None))
+    # Streamed: one record is written before the next is read, so an export of millions
+    # holds one batch of the store's scan.
+    with ledger_errors(where.scrub):
+        for record in records:
+            doc = json.loads(record.to_json())
+            # Named fields and readable times: an audit trail is read by people and tools.
+            doc["history"] = [
+                dataclasses.asdict(event) | {"at_utc": stamp(event.at)} for event in record.history
+            ]
+            doc["stale"] = ledger.is_stale(record)
+            click.echo(machine(doc, None))
 
 
 @click.command("show")
@@ -394,14 +407,14 @@ def purge(where: Where, everything: bool, yes: bool) -> None:
     confirmation counts each."""
     if everything and not yes:
         with ledger_errors(where.scrub):
-            counts = _purgeable(where.ledger().records())
+            counts = _purgeable(where.ledger().scan())
         click.confirm(_purge_warning(where, counts), abort=True, err=True)
     with ledger_errors(where.scrub):
         removed = where.ledger().purge(expired_only=not everything)
     click.echo(f"purged {removed} record(s) from {where.label}")
 
 
-def _purgeable(records: list[Record]) -> dict[str, int]:
+def _purgeable(records: Iterable[Record]) -> dict[str, int]:
     """What `purge --all` would delete, by kind: receipts and failures, approval
     requests, spend-cap windows."""
     counts = {"receipts": 0, "approvals": 0, "spend": 0, "notifications": 0, "console": 0}

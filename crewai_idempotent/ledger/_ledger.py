@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -439,9 +439,19 @@ class Ledger(_Machine):
         return self._drive(self._read(key))
 
     def records(self, status: Status | None = None) -> list[Record]:
-        """Every record (or every record in `status`), oldest update first. Raises
-        `LedgerUnavailable` if the store cannot be read."""
-        return list(self._drive(self._scan(status)))
+        """Every record (or every record in `status`), oldest update first: a list, so it
+        holds them all; `scan` streams them instead. Raises `LedgerUnavailable` if the store
+        cannot be read."""
+        found: list[Record] = self._drive(self._scan(status))
+        # The stores stream in key order (`CacheBackend.scan`); a person reads oldest first.
+        return sorted(found, key=lambda record: (record.updated_at, record.key))
+
+    def scan(self, status: Status | None = None) -> Iterator[Record]:
+        """Every record (or every record in `status`), streamed in key order in the store's
+        batches: memory stays flat however large the ledger is, and a record that stays is
+        yielded once however often it is written meanwhile (`CacheBackend.scan`). Raises
+        `LedgerUnavailable` while it is iterated, if the store cannot be read."""
+        return self.backend.scan(status)
 
     def stats(self) -> LedgerStats:
         """What this ledger holds in this process: see `LedgerStats`. A read of in-process
@@ -490,7 +500,9 @@ class Ledger(_Machine):
         read or written."""
         removed = 0
         now = self.backend.now()
-        for record in self.records():
+        # Streamed: deleting behind the scan's key cursor is safe, and a batch of records
+        # is all it holds, so a purge of millions keeps its memory flat.
+        for record in self.scan():
             keep = record.status in (Status.PENDING, Status.UNCERTAIN) or (
                 expired_only and not record.expired(now, self._host)
             )

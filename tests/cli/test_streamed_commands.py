@@ -1,0 +1,100 @@
+"""`export`, `purge` and `purge --all`'s count stream the ledger: what they hold is one batch
+of the store's scan, not the ledger. Counted as Record objects alive (`gc`), never as RSS or
+time; `ls` keeps listing oldest update first, as its help says."""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from crewai_idempotent import Record, SQLiteCacheBackend, Status
+from crewai_idempotent.backends._scan import BATCH
+from crewai_idempotent.cli import _ledger as cli_ledger
+from crewai_idempotent.cli import main
+
+
+def _records_alive() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, Record))
+
+
+@pytest.fixture
+def ledger_url(tmp_path: Path) -> Iterator[str]:
+    path = tmp_path / "ledger.db"
+    backend = SQLiteCacheBackend(path, synchronous="NORMAL")
+    yield f"sqlite:///{path}"
+    backend.close()
+
+
+def _fill(url: str, count: int, ttl_passed: bool = False) -> None:
+    backend = SQLiteCacheBackend(Path(url.removeprefix("sqlite:///")), synchronous="NORMAL")
+    try:
+        now = backend.now()
+        for i in range(count):
+            # Keys in the reverse of their update order: a key-ordered scan differs from
+            # the oldest-first listing.
+            key, at = f"order:{count - i:05d}", now - 1000 + i * 0.01
+            expires = now - 1 if ttl_passed else None
+            record = Record(key, Status.COMMITTED, "fp", 1, 1, None, 1, at, at,
+                            result={"k": key}, expires_at=expires)  # fmt: skip
+            assert backend.insert(record) is None
+    finally:
+        backend.close()
+
+
+class _Watching:
+    """Counts the Record objects alive every `every` calls of what it wraps."""
+
+    def __init__(self, wrapped: Any, every: int) -> None:
+        self.wrapped, self.every, self.calls, self.most = wrapped, every, 0, 0
+        self.baseline = _records_alive()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.most = max(self.most, _records_alive() - self.baseline)
+        return self.wrapped(*args, **kwargs)
+
+
+@pytest.mark.parametrize("count", [BATCH * 3, BATCH * 6])
+def test_export_holds_a_batch_whatever_the_ledger_holds(
+    ledger_url: str, count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fill(ledger_url, count)
+    lines: list[str] = []
+    watching = _Watching(lambda text, *a, **k: lines.append(text), BATCH // 2)
+    monkeypatch.setattr(cli_ledger.click, "echo", watching)
+    done = CliRunner().invoke(main, ["--ledger", ledger_url, "export"])
+    assert done.exit_code == 0, done.output
+    assert len(lines) == count
+    assert {json.loads(line)["key"] for line in lines} == {
+        f"order:{i:05d}" for i in range(1, count + 1)
+    }
+    assert watching.most <= BATCH  # a list of the ledger would hold `count`
+
+
+@pytest.mark.parametrize("count", [BATCH * 3, BATCH * 6])
+def test_purge_holds_a_batch_whatever_the_ledger_holds(
+    ledger_url: str, count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fill(ledger_url, count, ttl_passed=True)
+    watching = _Watching(SQLiteCacheBackend.delete, BATCH // 2)
+    monkeypatch.setattr(SQLiteCacheBackend, "delete", lambda self, record: watching(self, record))
+    done = CliRunner().invoke(main, ["--ledger", ledger_url, "purge"])
+    assert done.exit_code == 0, done.output
+    assert f"purged {count} record(s)" in done.output
+    assert watching.calls == count and watching.most <= BATCH
+
+
+def test_ls_lists_oldest_update_first_though_the_store_scans_by_key(ledger_url: str) -> None:
+    _fill(ledger_url, 5)
+    done = CliRunner().invoke(main, ["--ledger", ledger_url, "ls", "--json"])
+    assert done.exit_code == 0, done.output
+    keys = [row["key"] for row in json.loads(done.output)]
+    assert keys == [f"order:{i:05d}" for i in (5, 4, 3, 2, 1)]
