@@ -254,7 +254,7 @@ def _install() -> None:
     from crewai.flow.flow import Flow
 
     flows = next(c for c in Flow.__mro__ if "_execute_method" in c.__dict__)
-    _set(flows, "_execute_method", _call.in_flow(flows._execute_method))
+    _set(flows, "_execute_method", _call.in_flow(flows.__dict__["_execute_method"]))
 
     # What differs between the supported releases (kickoff ids, context in threads...).
     _compat.install(_set)
