@@ -72,6 +72,31 @@ def test_a_kickoff_key_charges_again_on_a_resume(charges: FakeProvider, tmp_path
     assert charges.count() == 2
 
 
+def test_a_flow_inside_a_flows_step_shares_the_outer_flows_id(
+    ledger: Path, charges: FakeProvider
+) -> None:
+    # Resuming the outer flow runs the inner one again under a new id: the outer id is
+    # the one that stays. crewai's own flows (the agent executor) never count either.
+    from crewai.flow.flow import Flow, start
+
+    charge = charge_tool(charges, idempotent=True, idempotency_key="pay:{flow}:{invoice}")
+
+    class Inner(Flow):  # type: ignore[type-arg]
+        @start()
+        def pay(self) -> str:
+            return str(charge.run(**INVOICE))
+
+    class Outer(Flow):  # type: ignore[type-arg]
+        @start()
+        def run_inner(self) -> str:
+            return str(Inner().kickoff())
+
+    outer = Outer()
+    outer.kickoff()
+    with SQLiteCacheBackend(ledger) as backend:
+        assert [r.key for r in backend.scan()] == [f"pay:{outer.state['id']}:inv-flow"]
+
+
 def test_a_flow_key_outside_a_flow_is_a_clear_error_and_nothing_runs(
     ledger: Path, charges: FakeProvider
 ) -> None:
