@@ -3,7 +3,9 @@
 
 In one module so that each states its fact in one voice and pickles the same way (Celery
 and multiprocessing send exceptions between processes). At run time this module imports
-only `_units` (how an amount is printed), so every other module may raise from it.
+only `_units` (how an amount is printed) and `_error_base` (the base class and the two
+errors `ledger/_record` raises, defined beneath it), so every other module may raise
+from it.
 Exceptions that never leave the code that raises them stay beside it: `Halt`, which
 carries one of these errors out through crewAI to the kickoff (`integration/_call`), and
 the loops' own signals (`_gatestore.Unchanged`, `_keys._NotPlain`, the self-test's
@@ -15,17 +17,15 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING, Any
 
+# Beneath ledger/_record, which raises these two; re-exported: every error is imported here.
+from ._error_base import CorruptRecord as CorruptRecord
+from ._error_base import IdempotencyError as IdempotencyError
+from ._error_base import LedgerUnavailable as LedgerUnavailable
+from ._error_base import _rebuild
 from ._units import format_money
 
 if TYPE_CHECKING:
     from .ledger._record import Record
-
-
-def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
-    error = cls.__new__(cls, *args)
-    BaseException.__init__(error, *args)
-    error.__dict__.update(state)
-    return error
 
 
 def command(ledger: str | None, *args: str) -> str:
@@ -35,18 +35,6 @@ def command(ledger: str | None, *args: str) -> str:
     if ledger:
         words += ["--ledger", shlex.quote(ledger)]
     return " ".join([*words, *args])
-
-
-class IdempotencyError(Exception):
-    """Base class of every error the guard raises.
-
-    Picklable whatever a subclass's constructor takes (Celery and multiprocessing pickle
-    exceptions): unpickling restores the message and the attributes without calling
-    `__init__` again.
-    """
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class InvalidIdempotencyKey(IdempotencyError, ValueError):
@@ -108,25 +96,6 @@ class OutcomeUncertain(IdempotencyError):
         """Say which ledger holds the record (its URL), once the raiser knows."""
         self.ledger = ledger
         self.args = (self._message(),)
-
-
-class LedgerUnavailable(IdempotencyError):
-    """The ledger could not be read or written; the guarded body did not run."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-        super().__init__(message)
-
-
-class CorruptRecord(LedgerUnavailable):
-    """A stored record cannot be read back: the file, row or key `where` names holds
-    something that is not a record this version can read (`detail` says what failed).
-    The guarded body did not run."""
-
-    def __init__(self, where: str, detail: str) -> None:
-        self.where = where
-        self.detail = detail
-        super().__init__(f"{where} holds a corrupt record: {detail}")
 
 
 class BodyFailed(IdempotencyError):

@@ -24,6 +24,7 @@ def _core_factory(tmp_path: Path) -> Callable[[], Any]:
     from crewai.tools.idempotency.record import IdempotencyRecord, IdempotencyStatus
 
     from crewai_idempotent import CacheBackend, Record, Status
+    from crewai_idempotent.ledger._hostclock import this_host
 
     def to_core(record: Record) -> IdempotencyRecord:
         return IdempotencyRecord.from_json(record.to_json())
@@ -36,6 +37,10 @@ def _core_factory(tmp_path: Path) -> Callable[[], Any]:
 
         def __init__(self, path: Path) -> None:
             self.core = SQLiteIdempotencyBackend(path)
+            # The core's store judges leases and TTLs by the host's clock, as the plugin's
+            # embedded stores do: the same kernel clocks, seen through the plugin's type,
+            # so host deadlines cross in the shared document both ways.
+            self.host_clock = this_host() if self.core.host_clock is not None else None
 
         def __repr__(self) -> str:
             return f"CoreBackend({self.core!r})"

@@ -8,14 +8,21 @@
 #      crewai-idempotent plugin switched off and checked to be absent,
 #   4. run this repository's ledger conformance suite (tests/core/test_ledger_conformance.py)
 #      on the patched core's SQLite store (patches/conformance_core.py), so the patch and
-#      the package cannot drift apart.
+#      the package cannot drift apart,
+#   5. run the patched core's ledger with a worker whose wall clock is stepped (faketime,
+#      patches/clock_step.py): it must not take over a live claim.
 # Exits non-zero on any failure. Usage: patches/verify.sh [scratch-dir]
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(dirname "$here")"
 python="${PYTHON:-$repo/.venv/bin/python}"
-scratch="${1:-$(mktemp -d /tmp/upstream-verify.XXXXXX)}"
+if [[ $# -ge 1 ]]; then
+    scratch="$1"  # kept afterwards, to look at
+else
+    scratch="$(mktemp -d /tmp/upstream-verify.XXXXXX)"
+    trap 'rm -rf "$scratch"' EXIT  # a folder of our own making goes when we do
+fi
 
 # The plugin's .pth hook must not activate, and nothing below may import it.
 export CREWAI_IDEMPOTENT_AUTOLOAD=0
@@ -94,6 +101,16 @@ CONFORMANCE_BACKENDS=crewai-core PYTHONPATH="$scratch/lib/crewai/src:$repo" "$py
 if [[ $status -ne 0 ]]; then
     # 5 ("no tests collected") would mean the core's store was never exercised.
     echo "verify.sh: FAILED (conformance suite exit $status)" >&2
+    exit "$status"
+fi
+echo "== clock steps: the patched core's ledger, a worker's wall clock stepped (faketime)"
+# A worker whose wall clock reads an hour or a day ahead must not take over a live claim
+# (on_stale="retry") and run the body a second time: leases are judged by the host's
+# monotonic clock, as the plugin judges them (docs/backends.md, "Clocks").
+status=0
+PYTHONPATH="$scratch/lib/crewai/src" "$python" "$here/clock_step.py" "$scratch" || status=$?
+if [[ $status -ne 0 ]]; then
+    echo "verify.sh: FAILED (clock steps exit $status)" >&2
     exit "$status"
 fi
 echo "verify.sh: OK"

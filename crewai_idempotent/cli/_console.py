@@ -58,33 +58,25 @@ def _secret(path: str | None) -> str | None:
     return value or None
 
 
-def _backend(where: Where) -> Any:
-    """The ledger's store; a ledger that does not exist yet is reported with what to do."""
+def _backend(where: Where, *, create: bool = False) -> Any:
+    """The ledger's store; a ledger that does not exist yet is reported with what to do
+    (`create`: made, for the accounts that live in it)."""
     try:
         with ledger_errors(where.scrub):
-            return where.ledger().backend
+            return where.ledger(create=create).backend
     except click.ClickException as exc:
-        if not exc.message.startswith("no ledger at"):
+        if create or not exc.message.startswith("no ledger at"):
             raise
+        add = where.command("console", "users", "add", "NAME", "--role", "approver")
         raise click.ClickException(
-            f"{exc.message}. The console works on the ledger your crews write: point --ledger "
-            "at it, or make one to try it with `crewai-idempotent demo-approvals --ledger-path "
-            "ledger.db` and then --ledger sqlite:///ledger.db"
+            safe(
+                f"{exc.message}. The console works on the ledger your crews write: point "
+                f"--ledger at it, or make it with its first account: {add}"
+            )
         ) from None
 
 
-def _where(ctx: click.Context, url: str | None) -> Where:
-    """The console's own --ledger, else the one given before `console`."""
-    if url is None:
-        given = ctx.find_object(Where)
-        return given if given is not None else Where(None)
-    where = Where(url, "--ledger")
-    ctx.call_on_close(where.close)
-    return where
-
-
 @click.group("console", invoke_without_command=True)
-@click.option("--ledger", "url", metavar="URL", help="The ledger (as crewai-idempotent --ledger).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535))
 @click.option(
@@ -119,15 +111,19 @@ def _where(ctx: click.Context, url: str | None) -> Where:
               help="A Host name the console answers to besides loopback. Repeatable.")  # fmt: skip
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="Serve TLS.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False))
-@click.option("--session-ttl", default="12h", show_default=True, help="A login lasts at most.")
+@click.option("--session-ttl", default="12h", show_default=True,
+              help="A login lasts at most (more than 60 s).")  # fmt: skip
 @click.option("--idle-timeout", default="1h", show_default=True,
-              help="A session ends after this long without a request.")  # fmt: skip
+              help="A session ends after this long without a request "
+              "(more than 60 s).")  # fmt: skip
 @click.option("--refresh", default="2s", show_default=True,
-              help="How often open pages are updated from the ledger.")  # fmt: skip
+              help="How often open pages are updated from the ledger "
+              "(more than 0.05 s).")  # fmt: skip
 @click.option(
     "--slack-signing-secret-file",
     type=click.Path(dir_okay=False),
-    help=f"Enables Slack's buttons at /slack/interactive (or ${SLACK_SECRET_ENV}).",
+    help=f"Enables Slack's buttons at /slack/interactive (or ${SLACK_SECRET_ENV}): a file "
+    "holding the app's signing secret (32 hex characters; under 16 characters is refused).",
 )
 @click.option("--slack-team", metavar="TEAM_ID", help="Only this Slack workspace's posts.")
 @click.option("--slack-grant-ttl", default="24h", show_default=True,
@@ -154,7 +150,7 @@ def _where(ctx: click.Context, url: str | None) -> Where:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))  # fmt: skip
 @click.pass_context
-def console(ctx: click.Context, url: str | None, **options: Any) -> None:
+def console(ctx: click.Context, **options: Any) -> None:
     """The web console: pending approvals with the whole call, uncertain records, records,
     spend and notifications, for authenticated approvers. See docs/console.md.
 
@@ -162,11 +158,9 @@ def console(ctx: click.Context, url: str | None, **options: Any) -> None:
     --no-dispatch: not) and, with --reconcile, sweeps the ledger, for as long as it runs.
     It listens on 127.0.0.1:8765 by default. Accounts: `console users add NAME --role
     viewer|approver|operator`."""
-    where = _where(ctx, url)
-    ctx.obj = where
     if ctx.invoked_subcommand is not None:
         return
-    _serve(where, **options)
+    _serve(ctx.find_object(Where) or Where(None), **options)
 
 
 def _serve(where: Where, **o: Any) -> None:
@@ -195,7 +189,7 @@ def _serve(where: Where, **o: Any) -> None:
     interval = _seconds(o["reconcile_interval"], "--reconcile-interval")
     backend = _backend(where)
     with ledger_errors(where.scrub):
-        _check_accounts(backend, settings.auth)
+        _check_accounts(where, backend, settings.auth)
     background = [*_dispatching(backend, settings, o), *_sweeping(where, o, interval)]
     try:
         serve(
@@ -267,29 +261,27 @@ def _sweeping(where: Where, o: dict[str, Any], interval: float) -> list[Backgrou
     return [sweeping(sweeper, interval)]
 
 
-def _check_accounts(backend: Any, auth: str) -> None:
+def _check_accounts(where: Where, backend: Any, auth: str) -> None:
     from ..console._accounts import Accounts
 
     accounts = Accounts(backend).all()
     usable = [a for a in accounts if not a.disabled and (auth == "proxy" or a.password_hash)]
     if not usable:
-        hint = " --no-password" if auth == "proxy" else ""
-        click.echo(
-            "note: no account can log in yet; add one with `crewai-idempotent console users "
-            f"add NAME --role approver{hint}`",
-            err=True,
-        )
+        words = ["console", "users", "add", "NAME", "--role", "approver"]
+        words += ["--no-password"] if auth == "proxy" else []
+        click.echo(safe(f"note: no account can log in yet; add one with "
+                        f"{where.command(*words)}"), err=True)  # fmt: skip
 
 
 # -- accounts -----------------------------------------------------------------------------
 
 
-def _accounts(where: Where) -> Any:
+def _accounts(where: Where, *, create: bool = False) -> Any:
     try:
         from ..console._accounts import Accounts
     except ImportError as exc:  # pragma: no cover - the module itself has no hard import
         raise _need_extra(exc) from None
-    return Accounts(_backend(where))
+    return Accounts(_backend(where, create=create))
 
 
 def _account_errors() -> Any:
@@ -343,19 +335,37 @@ def add_user(
     where: Where, name: str, role: str, slack_user: str | None, no_password: bool,
     password_stdin: bool,
 ) -> None:  # fmt: skip
-    """Add an account; asks for its password (twice) unless --no-password."""
+    """Add an account; asks for its password (twice) unless --no-password.
+
+    With no ledger there yet (a new install, before any crew ran), it makes the ledger the
+    accounts live in, and says so."""
     error = _account_errors()
     if no_password and password_stdin:
         raise click.UsageError("--no-password and --password-stdin contradict each other")
     try:
         with ledger_errors(where.scrub):
-            store = _accounts(where)
-            if store.get(name) is not None:
+            try:
+                store = _accounts(where)
+            except click.ClickException as exc:
+                if not exc.message.startswith("no ledger at"):
+                    raise
+                store = None  # made below, once the password is known: nothing is left half-done
+            if store is not None and store.get(name) is not None:
                 raise error(f"there is already an account {name!r}")
             password = None if no_password else _password(name, password_stdin)
+            if store is None:
+                store = _accounts(where, create=True)
             account = store.add(name, role, password, slack_user)
     except error as exc:
         raise click.ClickException(safe(str(exc))) from None
+    if where.created:
+        click.echo(
+            safe(
+                f"made a new ledger at {where.label}: crews must use this one for the console "
+                "to see their calls"
+            ),
+            err=True,
+        )
     login = "a password" if account.password_hash else "no password (auth proxy only)"
     click.echo(safe(f"added {account.name} ({account.role.value}, {login}) to {where.label}"))
 

@@ -30,7 +30,7 @@ from ..integration import _verify, default_ledger_path
 from ..integration._compat import ALLOW_UNTESTED_ENV, untested_choice
 from ..integration._ledgers import describe_default
 from ..integration._patch import is_supported, is_tested, newest_tested, supported_range
-from ..integration.offline._selftest import run_in_subprocess
+from ..integration.offline._selftest_process import run_in_subprocess
 from ..ledger._backend import url_of
 from ._output import console, safe, stamp
 from ._where import Where
@@ -194,7 +194,8 @@ def _outbox_facts(ledger: Any, out: _Report) -> None:
     from ..notifications._outbox import Outbox
 
     try:
-        waiting = Outbox(ledger.backend).entries(include_delivered=False)
+        # `Entry.undelivered`: what `notify` and `notifications ls --state pending` count.
+        waiting = Outbox(ledger.backend).undelivered()
     except Exception as exc:  # noqa: BLE001 - reported, never a crash of doctor
         out.problem("outbox", f"cannot be read: {type(exc).__name__}: {exc}")
         return
@@ -202,7 +203,7 @@ def _outbox_facts(ledger: Any, out: _Report) -> None:
         out.fact("outbox", "nothing waits for delivery")
         return
     oldest = ago(ledger.backend.now() - min(e.at for e in waiting))
-    failing = sum(1 for e in waiting if any(d.last_error for d in e.deliveries))
+    failing = sum(1 for e in waiting if e.failing)
     out.fact(
         "outbox",
         f"{len(waiting)} notification(s) not yet delivered, the oldest written {oldest}"

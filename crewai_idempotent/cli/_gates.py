@@ -112,15 +112,16 @@ def _duration(value: str) -> float:
 def _no_typed_name(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value is not None:
         raise click.BadParameter(
-            f"a decision records who made it ({_whoami()}, the user running this command), "
-            "not a typed name; say on whose behalf in --reason",
+            f"it is recorded as yours ({_whoami()}, the user running this command), not a "
+            "typed name; say on whose behalf in --reason",
             param_hint="--by",
         )
 
 
-# Hidden and refused: a decision used to take any name here, which let one person count
-# as two approvers; scripts that still pass it are told why instead of "no such option".
-_BY = click.option("--by", hidden=True, expose_value=False, callback=_no_typed_name)
+# Hidden and refused: a decision (and `resolve`) used to take any name here, which let one
+# person count as two approvers or settle a record as someone else; scripts that still pass
+# it are told why instead of "no such option".
+TYPED_NAME_REFUSED = click.option("--by", hidden=True, expose_value=False, callback=_no_typed_name)
 
 
 @approvals.command("approve")
@@ -129,7 +130,7 @@ _BY = click.option("--by", hidden=True, expose_value=False, callback=_no_typed_n
 @click.option(
     "--ttl", default="24h", show_default=True, help="The grant must be used within (30m, 2d...)."
 )
-@_BY
+@TYPED_NAME_REFUSED
 @click.pass_obj
 def approve(where: Where, request_id: str, reason: str, ttl: str) -> None:
     """Approve a pending request: the next run of that exact call goes ahead, once.
@@ -142,7 +143,7 @@ def approve(where: Where, request_id: str, reason: str, ttl: str) -> None:
 @approvals.command("deny")
 @click.argument("request_id")
 @click.option("--reason", required=True, help="Why (the agent is told).")
-@_BY
+@TYPED_NAME_REFUSED
 @click.pass_obj
 def deny(where: Where, request_id: str, reason: str) -> None:
     """Deny a request: the call fails with ApprovalDenied and never runs."""

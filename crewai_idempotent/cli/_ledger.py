@@ -15,6 +15,7 @@ from ..gates._gatestore import PREFIX, is_document
 from ..gates._spend import KIND as SPEND
 from ..ledger._results import describe, unrestorable
 from ..notifications._outbox import OUTBOX, is_entry
+from ._gates import TYPED_NAME_REFUSED
 from ._output import (
     ago,
     check_key,
@@ -282,7 +283,7 @@ def show(where: Where, key: str, as_json: bool) -> None:
 )
 @click.option("--result-text", metavar="TEXT", help="With --happened: the receipt, as plain text.")
 @click.option("--reason", required=True, help="Why: what you checked at the provider.")
-@click.option("--by", metavar="NAME", help="Who resolves (default: user@host).")
+@TYPED_NAME_REFUSED
 @click.pass_obj
 def resolve(
     where: Where,
@@ -292,9 +293,9 @@ def resolve(
     result_json: str | None,
     result_text: str | None,
     reason: str,
-    by: str | None,
 ) -> None:
-    """Settle an UNCERTAIN (or stale PENDING) record after checking the provider.
+    """Settle an UNCERTAIN (or stale PENDING) record after checking the provider. The
+    resolution is recorded as yours (user@host), as an approval is.
 
     --happened: the record becomes COMMITTED and --result/--result-text is replayed to every
     later call (without either, the result already stored on the record is kept, if any).
@@ -330,9 +331,9 @@ def resolve(
         if happened and result_json is None and result_text is None:
             result = _kept_result(before)
         if absent:
-            record = ledger.resolve(key, absent=True, by=by, reason=reason)
+            record = ledger.resolve(key, absent=True, reason=reason)
         else:
-            record = ledger.resolve(key, result=result, by=by, reason=reason)
+            record = ledger.resolve(key, result=result, reason=reason)
 
     out = console()
     if before.needs_operator:

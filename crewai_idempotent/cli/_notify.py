@@ -31,13 +31,24 @@ def _seconds(value: str, name: str) -> float:
 
 def channels_given(channels: tuple[str, ...]) -> tuple[Channel, ...]:
     """The channels `--channel` names, else `CREWAI_IDEMPOTENCY_NOTIFY`'s (the console
-    finds its own the same way)."""
-    from ..notifications._channels import channels_from, env_channels
+    finds its own the same way). A channel that cannot work is a usage error naming where
+    it came from: `--channel`, or the variable (which the user never passed as an option)."""
+    from ..notifications._channels import ENV, channels_from, env_channels
 
+    if channels:
+        try:
+            return channels_from(list(channels), "--channel")
+        except (LedgerConfigurationError, TypeError) as exc:
+            raise click.BadParameter(safe(str(exc)), param_hint="--channel") from None
     try:
-        return channels_from(list(channels), "--channel") if channels else env_channels()
+        return env_channels()
     except (LedgerConfigurationError, TypeError) as exc:
-        raise click.BadParameter(safe(str(exc)), param_hint="--channel") from None
+        raise click.UsageError(
+            safe(
+                f"${ENV} names a channel that cannot work: {exc}; fix the variable, or give "
+                "--channel URL instead"
+            )
+        ) from None
 
 
 @click.command("notify")
@@ -119,6 +130,8 @@ def notify(
 
 
 def _event_line(event: str, entry: Entry) -> str:
+    # For "sent" and "failed" the dispatcher hands the entry as it stood after the try the
+    # event is about: the last one in its log.
     if event == "failed":
         last = entry.log[-1] if entry.log else {}
         waits = [d for d in entry.deliveries if d.channel == last.get("channel")]
@@ -166,15 +179,13 @@ def list_notifications(where: Where, state: str, type_: str | None, as_json: boo
         entries = Outbox(where.ledger().backend).entries(waiting=wanted == "waiting")
         now = where.ledger().backend.now()
     if wanted == "waiting":
-        entries = [e for e in entries if e.state == "unconfirmed"]
+        entries = [e for e in entries if e.state == "waiting"]
     elif wanted == "pending":
-        entries = [e for e in entries if e.state != "delivered"]
+        entries = [e for e in entries if e.undelivered]
     elif wanted == "delivered":
         entries = [e for e in entries if e.state == "delivered"]
     elif wanted == "failing":
-        entries = [
-            e for e in entries if any(d.last_error and d.state != "delivered" for d in e.deliveries)
-        ]
+        entries = [e for e in entries if e.failing]
     if type_:
         entries = [e for e in entries if fnmatch.fnmatchcase(e.type, type_)]
     if as_json:
@@ -187,7 +198,7 @@ def list_notifications(where: Where, state: str, type_: str | None, as_json: boo
         deliveries = ", ".join(
             f"{d.channel} {d.state}" + (f" after {_tries(d.attempts)}" if d.attempts > 1 else "")
             for d in entry.deliveries
-        ) or ("waiting for its transition" if entry.state == "unconfirmed" else "not yet tried")
+        ) or ("waiting for its transition" if entry.state == "waiting" else "not yet tried")
         line = (
             f"{entry.id}  {entry.type:<19} {entry.state:<10} {ago(now - entry.at):>8}  "
             f"{entry.summary}  [{deliveries}]"

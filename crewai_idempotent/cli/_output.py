@@ -72,12 +72,21 @@ def check_key(key: str) -> None:
         validate_key(key)
 
 
+UNWRAPPED_WIDTH = 100_000  # columns rich lays out for when the output is not a terminal
+
+
 def console() -> Console:
     # rich costs a noticeable part of start-up: only the commands that lay out text load it.
     from rich.console import Console
 
     # Keys, errors and receipts are data: "[x]" or ":x:" in them must print as written.
-    return Console(highlight=False, soft_wrap=False, markup=False, emoji=False)
+    out = Console(highlight=False, soft_wrap=False, markup=False, emoji=False)
+    if not out.is_terminal:
+        # Piped or redirected, rich would wrap at 80 columns, mid-sentence, a line that a
+        # program or a wider window reads whole: lines and tables stay as long as they are.
+        out.soft_wrap = True
+        out.width = UNWRAPPED_WIDTH
+    return out
 
 
 def stamp(at: float) -> str:

@@ -1,13 +1,16 @@
 """Which ledger a command works on, and how it is named on screen.
 
 The ledger is `--ledger URL`, else `CREWAI_IDEMPOTENCY_URL`, else the embedded default
-(the SQLite file the crewai integration uses). No command creates a ledger: a path that
-holds none is refused before it is opened read-write (which would make it one). A URL's
-password is shown as `***`, wherever a message repeats it.
+(the SQLite file the crewai integration uses). No command creates a ledger but the one
+that asks to (`ledger(create=True)`: `console users add`): a path that holds none is
+refused before it is opened read-write (which would make it one). A URL's password is
+shown as `***`, wherever a message repeats it, and never put in a command to paste
+(`command`).
 """
 
 from __future__ import annotations
 
+import shlex
 import sqlite3
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -32,6 +35,20 @@ class Where:
         self.source = source if self.url is not None else "default"
         self._ledger: Ledger | None = None
         self._secrets = _secrets(self.url) if self.url else []
+        self.created = False  # whether `ledger(create=True)` made a new one
+
+    def command(self, *args: str) -> str:
+        """`crewai-idempotent ARGS` as a hint to paste into the shell this command ran in:
+        with `--ledger URL` when the ledger was named with --ledger (from the environment or
+        the default, the pasted command finds it the same way). A URL with a password is
+        never printed: the hint then says to set CREWAI_IDEMPOTENCY_URL, whose value the
+        pasted command reads."""
+        words = ["crewai-idempotent"]
+        if self.source == "--ledger" and self.url is not None:
+            if self._secrets:
+                return f"`{' '.join([*words, *args])}` with {URL_ENV} set to the ledger's URL"
+            words += ["--ledger", shlex.quote(self.url)]
+        return f"`{' '.join([*words, *args])}`"
 
     @property
     def label(self) -> str:
@@ -45,15 +62,21 @@ class Where:
             text = text.replace(secret, "***")
         return text
 
-    def ledger(self) -> Ledger:
+    def ledger(self, *, create: bool = False) -> Ledger:
+        """The ledger, opened on first use. A path that holds nothing is refused, unless
+        `create` (then `created` says whether a new ledger was made); a file or folder that
+        is not a ledger is refused either way."""
         if self._ledger is None:
-            self._ledger = self._open()
+            self._ledger = self._open(create)
         return self._ledger
 
-    def _open(self) -> Ledger:
+    def _open(self, create: bool) -> Ledger:
         if self.url is None:
             path = default_ledger_path()
-            if not path.exists():
+            if create and not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.created = True
+            elif not path.exists():
                 raise click.ClickException(
                     safe(
                         f"no ledger at the default location {path} (crewai's storage folder for "
@@ -62,11 +85,12 @@ class Where:
                         f"--ledger URL / set {URL_ENV}"
                     )
                 )
-            _require_ledger_file(path, "the default location")
+            else:
+                _require_ledger_file(path, "the default location")
             url = sqlite_url(path)
         else:
             url = self.url
-            self._require_existing(url)
+            self._require_existing(url, create)
         try:
             backend = backend_from_url(url)
         except ValueError as exc:
@@ -75,14 +99,18 @@ class Where:
             raise click.ClickException(self.scrub(safe(f"ledger unavailable: {exc}"))) from None
         return Ledger(backend)
 
-    def _require_existing(self, url: str) -> None:
-        """Refuse to create a ledger by looking at one: a typo would open an empty new one."""
+    def _require_existing(self, url: str, create: bool) -> None:
+        """Refuse to create a ledger by looking at one: a typo would open an empty new one.
+        With `create`, a path that holds nothing at all is let through (and made one)."""
         try:
             path = local_path(url)
         except ValueError as exc:
             raise click.BadParameter(self.scrub(safe(str(exc))), param_hint=self.source) from None
         if path is None:
             return  # servers: the backend reports an unreachable one
+        if create and not path.exists():
+            self.created = True
+            return
         where = f"from {self.source} {self.label}"
         if urlsplit(url).scheme.lower() == "sqlite":
             _require_ledger_file(path, where)

@@ -215,8 +215,9 @@ class Console:
         account = self.accounts.get(name) if len(name) <= 128 else None
         if account is None or account.disabled:
             return None, None, self.refusal(
-                request, 403, f"{name} has no console account here. An operator adds one with "
-                f"`crewai-idempotent console users add {name} --role viewer --no-password`.",
+                request, 403, f"{name} has no console account here. Whoever runs this console "
+                "adds one on its host, without a password (docs/console.md, “Behind an auth "
+                "proxy”).",
             )  # fmt: skip
         session = self._session(request)
         if session is not None and (
@@ -318,10 +319,12 @@ class Console:
 
     def context(self, request: Request, who: Who | None, section: str | None) -> dict[str, Any]:
         """What every page's template is given: `who` (None: no one logged in) and their
-        CSRF token, the navigation with `section` marked, the ledger, the store's clock,
-        `request`'s path. Raises `LedgerUnavailable` if the store's clock cannot be read."""
+        CSRF token, the navigation with `section` marked, the ledger (only to someone
+        logged in: its URL names a host, a file, a user), the store's clock, `request`'s
+        path. Raises `LedgerUnavailable` if the store's clock cannot be read."""
+        ledger = self.label if who is not None else None
         return {
-            "who": who, "sections": self.sections, "section": section, "ledger": self.label,
+            "who": who, "sections": self.sections, "section": section, "ledger": ledger,
             "csrf": who.session.csrf if who is not None and who.session is not None else "",
             "now": self.backend.now(), "proxy_mode": self.settings.auth == "proxy",
             "path": request.url.path,

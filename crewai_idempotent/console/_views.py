@@ -260,11 +260,11 @@ def notifications_page(outbox: Outbox, state: str, pattern: str) -> Notification
     as `notifications ls` reads them."""
     everything = outbox.entries(waiting=state == "waiting")
     if state == "waiting":
-        everything = [e for e in everything if e.state == "unconfirmed"]
+        everything = [e for e in everything if e.state == "waiting"]
     total = len(everything)
     found = everything
     if state == "pending":
-        found = [e for e in found if e.state != "delivered"]
+        found = [e for e in found if e.undelivered]
     elif state == "delivered":
         found = [e for e in found if e.state == "delivered"]
     elif state == "failing":

@@ -7,7 +7,8 @@ asks for it) does.
 
 Activation stays cheap (the budget: under 10 ms added to `import crewai`, measured by
 bench/startup.py; tests/crewai/test_activation.py checks what loads): this package
-loads only what `install()` patches into crewai (`_patch`, `_tools`, `_call`, `_compat`);
+loads only what `install()` patches into crewai (`_patch`, `_tools`, `_call`, `_stash`,
+`_compat`, and `_release`, the release gate);
 the options, the ledgers, the guard and the gates load on first use, as do the names
 below that need them.
 """

@@ -3,11 +3,12 @@
 - The kickoff boundary (`boundary`/`aboundary`, installed around tasks and agent
   kickoffs): how deep the call is (`depth`) and what crewai is running (`scope`).
 - `Halt`, which carries an error through crewai out to the outermost boundary.
-- The per-object stash: a tool's options and a crew's config, kept on the pydantic model.
 - The marks of a guarded callable, and the key parameter its signature hides.
 
 Light on purpose: `install()` loads this module inside `import crewai` (the activation
-budget), so it imports nothing of ours that reaches the ledger. crewai is
+budget), so it imports nothing of ours that reaches the ledger; nor, for its types, the
+options (`_config` reaches this module through the gates: a tool's options and a crew's
+config are kept on their models by `_stash`). crewai is
 imported inside functions: this module is loaded before crewai has finished importing.
 """
 
@@ -18,18 +19,11 @@ import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._config import IdempotencyConfig, ToolOptions
+from typing import Any
 
 KEY_PARAMETER = "idempotency_key"  # a body may take its derived key under this name
 GUARD_MARK = "__crewai_idempotent_guard__"  # on a guarded function: the function it guards
 METHODS = ("_run", "_arun")  # the bodies of a class tool
-
-# Keys in a pydantic model's private-attribute dict: a tool's options, a crew's config.
-TOOL_STASH = "_crewai_idempotency"
-CREW_STASH = "_crewai_idempotency_crew"
 
 
 class Scope:
@@ -81,24 +75,7 @@ def hide_key(signature: inspect.Signature) -> inspect.Signature:
     return signature.replace(parameters=params)
 
 
-# -- private per-object settings -------------------------------------------------------
-
-
-def _stash(model: Any, name: str, value: Any) -> None:
-    private = model.__pydantic_private__
-    if private is None:
-        object.__setattr__(model, "__pydantic_private__", {name: value})
-    else:
-        private[name] = value
-
-
-def _stashed(model: Any, name: str) -> Any:
-    private = getattr(model, "__pydantic_private__", None)
-    return private.get(name) if private else None
-
-
-def stash_options(tool: Any, options: ToolOptions) -> None:
-    _stash(tool, TOOL_STASH, options)
+# -- pydantic models ----------------------------------------------------------------
 
 
 def fields_of(cls: Any) -> Any:
@@ -106,20 +83,6 @@ def fields_of(cls: Any) -> Any:
     `model_fields` became a computed property, several times slower on every call);
     earlier releases in `model_fields` itself."""
     return getattr(cls, "__pydantic_fields__", None) or cls.model_fields
-
-
-def options_of(tool: Any) -> ToolOptions | None:
-    """The options a tool was flagged with, or None: on every call of a class tool, so
-    this is a dict lookup and nothing more."""
-    return _stashed(tool, TOOL_STASH)
-
-
-def stash_config(crew: Any, config: IdempotencyConfig) -> None:
-    _stash(crew, CREW_STASH, config)
-
-
-def config_of(crew: Any) -> IdempotencyConfig | None:
-    return _stashed(crew, CREW_STASH)
 
 
 # -- kickoff boundaries ----------------------------------------------------------------

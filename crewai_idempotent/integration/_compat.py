@@ -28,8 +28,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import UnsupportedCrewAIVersion
-
 log = logging.getLogger("crewai_idempotent")
 
 SetAttr = Callable[[Any, str, Any], None]
@@ -421,7 +419,10 @@ def init_subclass_of(base: type, hook: Callable[[type], None]) -> classmethod[An
     return classmethod(init_subclass)
 
 
-# -- releases outside the tested range -------------------------------------------------
+# -- releases outside the tested range: what the user says -------------------------------
+# What a guarded call does about such a release (refuse it, or wait for its verdict) is the
+# release gate's (`_release`), beside this layer: the gate reads this choice, this layer
+# never reads the gate.
 
 ALLOW_UNTESTED_ENV = "CREWAI_IDEMPOTENT_ALLOW_UNTESTED"
 _YES = ("1", "true", "yes", "on")
@@ -440,74 +441,3 @@ def untested_choice() -> bool | None:
 
 def untested_allowed() -> bool:
     return untested_choice() is True
-
-
-def untested_message(version: str, supported: str) -> str:
-    return (
-        f"crewai-idempotent is tested with crewai {supported}; crewai {version} is installed. "
-        "The guard reaches into crewai internals this release may have changed, so tools "
-        "flagged idempotent refuse to run (nothing was run); other tools and crews run as "
-        "usual. `crewai-idempotent doctor --self-test` checks the guard against this "
-        f"release; {ALLOW_UNTESTED_ENV}=1 installs the full guard on it."
-    )
-
-
-def unverified_off_message(version: str, newest: str) -> str:
-    value = os.environ.get(ALLOW_UNTESTED_ENV, "")
-    return (
-        f"crewai {version} is newer than the newest release crewai-idempotent is tested with "
-        f"({newest}), and {ALLOW_UNTESTED_ENV}={value.strip()!r} turns off its self-test, so "
-        "tools flagged idempotent refuse to run (nothing was run); other tools and crews run "
-        f"as usual. Without {ALLOW_UNTESTED_ENV} the release verifies itself; with it set to "
-        "1 the full guard runs without a verdict."
-    )
-
-
-class Verification:
-    """What a guarded call asks while the release has no passing verdict: the first call
-    loads `_verify` (not `import crewai`), whose gate raises until the verdict passes."""
-
-    def __init__(self, version: str, newest: str) -> None:
-        self.version = version
-        self.newest = newest
-        self._gate: Callable[[], None] | None = None
-
-    def __call__(self) -> None:
-        gate = self._gate
-        if gate is None:
-            from ._verify import Gate
-
-            gate = self._gate = Gate(self.version, self.newest, done=self._passed)
-        gate()
-
-    def _passed(self) -> None:
-        if _pending is self:
-            set_pending(None)
-
-
-_refusal: str | None = None
-_pending: Verification | None = None
-
-
-def set_refusal(message: str | None) -> None:
-    global _refusal
-    _refusal = message
-
-
-def set_pending(verification: Verification | None) -> None:
-    global _pending
-    _pending = verification
-
-
-def pending() -> Verification | None:
-    return _pending
-
-
-def refuse_if_untested() -> None:
-    """Raise before a guarded body could run when the guard is not installed in full, or
-    the release it is installed on has not been verified yet."""
-    if _refusal is not None:
-        raise UnsupportedCrewAIVersion(_refusal)
-    verification = _pending
-    if verification is not None:
-        verification()

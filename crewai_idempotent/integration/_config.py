@@ -23,7 +23,7 @@ import difflib
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -34,7 +34,7 @@ from ..ledger._keys import fingerprint as _fingerprint
 from ..ledger._ledger import Ledger
 from ..ledger._policy import StalePolicy, _Options, check_seconds
 from ..ledger._reconcile import named
-from ._gates import GateRules, gate_rules
+from ._gates import GateRules
 from ._ledgers import (
     URL_ENV,
     announce,
@@ -558,6 +558,68 @@ def _resolve(
         gates=gate_rules(tool, [config for _, config in levels], tool_name),
     )
     return settings, source, read
+
+
+# -- the gate options of one tool, merged once -------------------------------------------
+
+
+def _pick(name: str, tool: Any, levels: Sequence[Any]) -> Any:
+    value = getattr(tool, name, None)
+    if value is not None:
+        return value
+    for config in levels:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _by_tool(name: str, tool_name: str, levels: Sequence[Any]) -> Any:
+    for config in levels:
+        table = getattr(config, name, None)
+        if table is not None and tool_name in table:
+            return table[tool_name]
+    return None
+
+
+def gate_rules(
+    options: ToolOptions, levels: Sequence[IdempotencyConfig], tool_name: str
+) -> GateRules | None:
+    """The gate options of `tool_name` merged over the tool, then the crew and
+    `configure()` (`levels`, nearest first), or None when no level sets any gate."""
+    if (
+        options.approval is None
+        and options.spend is None
+        and all(config.approval is None and config.spend is None for config in levels)
+    ):
+        return None  # the common case: no gate anywhere
+    approval = options.approval
+    if approval is None:
+        approval = _by_tool("approval", tool_name, levels)
+    spend = options.spend
+    if spend is None:
+        spend = _by_tool("spend", tool_name, levels)
+    if not approval and spend is None:
+        return None
+    caps: list[tuple[str, SpendCap]] = [(tool_name, c) for c in options.caps or ()]
+    for config in levels:
+        caps += [("crew", c) for c in config.caps or ()]
+        if config.caps:
+            break  # the nearest level that sets caps
+    wait_s = _pick("approval_wait_s", options, levels)
+    approvers = options.approvers
+    if approvers is None:
+        approvers = _by_tool("approvers", tool_name, levels)
+    return GateRules(
+        tool=tool_name,
+        approval=approval,
+        spend=spend,
+        caps=tuple(caps),
+        on_approval=_pick("on_approval", options, levels) or "raise",
+        approval_wait_s=float(wait_s or 0.0),
+        redact=tuple(options.redact or ()),
+        approvers=approvers,
+    )
 
 
 def _notifying(backend: CacheBackend, levels: list[IdempotencyConfig]) -> None:

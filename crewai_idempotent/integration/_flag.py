@@ -19,9 +19,10 @@ from pydantic import BaseModel, create_model
 
 from ..reconciliation._registry import remember_tool
 from . import _compat, _guard
-from ._call import GUARD_MARK, KEY_PARAMETER, fields_of, hide_key, stash_options
+from ._call import GUARD_MARK, KEY_PARAMETER, fields_of, hide_key
 from ._config import OPTION_NAMES, ToolOptions
 from ._keying import check_template
+from ._stash import stash_options
 
 if TYPE_CHECKING:
     from crewai.tools.base_tool import BaseTool

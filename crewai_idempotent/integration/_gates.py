@@ -14,24 +14,22 @@ Options (on `@tool(...)`, `BaseTool` fields, `idempotent(tool, ...)`; a crew or
 - `approvers`: how many distinct people must approve before the grant is live (the
   two-person rule), or a callable `(args, ctx) -> int` (more above an amount).
 
-The options are checked where they are given (`_config`); `gate_rules` merges them once
-per tool, crew and `configure()`, and `GateRules.plan` decides at each call which gates
-apply, as a `_plan.Plan`: the stage the ledger drives between the claim and the body.
+The options are checked where they are given (`_config`), which also merges them once per
+tool, crew and `configure()` into a `GateRules` (`_config.gate_rules`, with the rest of a
+tool's settings); `GateRules.plan` decides at each call which gates apply, as a
+`_plan.Plan`: the stage the ledger drives between the claim and the body.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._errors import ApprovalDenied, ApprovalRequired, SpendCapExceeded
 from ..gates import _approvals, _plan
 from ..gates._spend import Money, SpendCap, Where
 from ._call import halting
-
-if TYPE_CHECKING:
-    from ._config import IdempotencyConfig, ToolOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,28 +49,6 @@ class Gates:
 
     plan: _plan.Plan
     on_approval: str
-
-
-# -- the options of one tool, merged once ------------------------------------------------
-
-
-def _pick(name: str, tool: Any, levels: Sequence[Any]) -> Any:
-    value = getattr(tool, name, None)
-    if value is not None:
-        return value
-    for config in levels:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return None
-
-
-def _by_tool(name: str, tool_name: str, levels: Sequence[Any]) -> Any:
-    for config in levels:
-        table = getattr(config, name, None)
-        if table is not None and tool_name in table:
-            return table[tool_name]
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,46 +153,6 @@ class GateRules:
         return count
 
 
-def gate_rules(
-    options: ToolOptions, levels: Sequence[IdempotencyConfig], tool_name: str
-) -> GateRules | None:
-    """The gate options of `tool_name` merged over the tool, then the crew and
-    `configure()` (`levels`, nearest first), or None when no level sets any gate."""
-    if (
-        options.approval is None
-        and options.spend is None
-        and all(config.approval is None and config.spend is None for config in levels)
-    ):
-        return None  # the common case: no gate anywhere
-    approval = options.approval
-    if approval is None:
-        approval = _by_tool("approval", tool_name, levels)
-    spend = options.spend
-    if spend is None:
-        spend = _by_tool("spend", tool_name, levels)
-    if not approval and spend is None:
-        return None
-    caps: list[tuple[str, SpendCap]] = [(tool_name, c) for c in options.caps or ()]
-    for config in levels:
-        caps += [("crew", c) for c in config.caps or ()]
-        if config.caps:
-            break  # the nearest level that sets caps
-    wait_s = _pick("approval_wait_s", options, levels)
-    approvers = options.approvers
-    if approvers is None:
-        approvers = _by_tool("approvers", tool_name, levels)
-    return GateRules(
-        tool=tool_name,
-        approval=approval,
-        spend=spend,
-        caps=tuple(caps),
-        on_approval=_pick("on_approval", options, levels) or "raise",
-        approval_wait_s=float(wait_s or 0.0),
-        redact=tuple(options.redact or ()),
-        approvers=approvers,
-    )
-
-
 def refused(gates: Gates | None, cause: Exception) -> BaseException:
     """What the guard raises for a body that did not start because a gate refused it:
     `ApprovalRequired` stops the kickoff (unless on_approval="report"); the others are
@@ -234,5 +170,4 @@ __all__ = [
     "Money",
     "SpendCap",
     "SpendCapExceeded",
-    "gate_rules",
 ]

@@ -40,11 +40,12 @@ from ..ledger._backend import CacheBackend, ledger_option
 from ..ledger._keys import validate_key
 from ..ledger._record import Record, Status
 from ..ledger._steps import Outcome, Settled, Step
-from . import _compat, _gates, approval_events
-from ._call import KEY_PARAMETER, Scope, config_of, crews, halting
+from . import _compat, _gates, _release, approval_events
+from ._call import KEY_PARAMETER, Scope, crews, halting
 from ._call import scope as _scope
 from ._config import IdempotencyConfig, Settings, ToolOptions, settings_for
 from ._keying import KeyContext, Target, derive_key, flow_id
+from ._stash import config_of
 from .events import (
     IdempotencyClaimEvent,
     IdempotencyConflictEvent,
@@ -358,7 +359,7 @@ def call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    _compat.refuse_if_untested()
+    _release.refuse_if_untested()
     kwargs = dict(kwargs)
     guarded = _prepare(target, options, tool, args, kwargs)
     if guarded is None:
@@ -394,7 +395,7 @@ async def acall(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    _compat.refuse_if_untested()
+    _release.refuse_if_untested()
     kwargs = dict(kwargs)
     guarded = _prepare(target, options, tool, args, kwargs)
     if guarded is None:

@@ -20,7 +20,7 @@ from typing import Any
 from _crewai_idempotent_autoload import remove_import_hook, when_imported
 
 from .._errors import UnsupportedCrewAIVersion
-from . import _call, _compat, _tools
+from . import _call, _compat, _release, _stash, _tools
 
 # The supported minor releases (docs/compatibility.md): crewai >=1.10.0, <1.16. The matrix in
 # noxfile.py runs every release up to NEWEST_TESTED; a newer one inside the range verifies
@@ -66,7 +66,7 @@ def newest_tested() -> str:
 def check_version(version: str) -> None:
     """Raise UnsupportedCrewAIVersion unless `version` is in the tested range."""
     if not is_supported(version):
-        raise UnsupportedCrewAIVersion(_compat.untested_message(version, supported_range()))
+        raise UnsupportedCrewAIVersion(_release.untested_message(version, supported_range()))
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
@@ -108,9 +108,9 @@ def install() -> None:
             )
             return
         version = str(getattr(crewai, "__version__", "unknown"))
-        _compat.set_pending(None)
+        _release.set_pending(None)
         if is_tested(version):
-            _compat.set_refusal(None)
+            _release.set_refusal(None)
             try:
                 _install()
             except BaseException:
@@ -136,17 +136,17 @@ def _install_unverified(version: str) -> None:
     and every flagged tool refuses until the release's self-test has passed on this
     machine (`_verify.Gate`, loaded with the first guarded call)."""
     # The gate first: a guarded call in another thread never meets the guard without it.
-    _compat.set_pending(_compat.Verification(version, newest_tested()))
-    _compat.set_refusal(None)
+    _release.set_pending(_release.Verification(version, newest_tested()))
+    _release.set_refusal(None)
     try:
         _install()
     except Exception as exc:  # noqa: BLE001 - never break `import crewai`
         _undo()
         log.warning("crewai-idempotent could not install on crewai %s: %r", version, exc)
-        message = _compat.untested_message(version, supported_range())
+        message = _release.untested_message(version, supported_range())
         _warn_once(version, message)
-        _compat.set_refusal(message)
-        _compat.set_pending(None)
+        _release.set_refusal(message)
+        _release.set_pending(None)
         _install_fail_closed()
 
 
@@ -158,7 +158,7 @@ def _install_untested(version: str) -> None:
             f"({supported_range()}); {_compat.ALLOW_UNTESTED_ENV} is set, so the guard runs "
             "in full. `crewai-idempotent doctor --self-test` checks it against this crewai.",
         )
-        _compat.set_refusal(None)
+        _release.set_refusal(None)
         try:
             _install()
             return
@@ -167,11 +167,11 @@ def _install_untested(version: str) -> None:
             log.warning("crewai-idempotent could not install on crewai %s: %r", version, exc)
     if is_supported(version) and not _compat.untested_allowed():
         # CREWAI_IDEMPOTENT_ALLOW_UNTESTED=0: no self-verification.
-        message = _compat.unverified_off_message(version, newest_tested())
+        message = _release.unverified_off_message(version, newest_tested())
     else:
-        message = _compat.untested_message(version, supported_range())
+        message = _release.untested_message(version, supported_range())
     _warn_once(version, message)
-    _compat.set_refusal(message)
+    _release.set_refusal(message)
     _install_fail_closed()
 
 
@@ -336,7 +336,7 @@ def _crew_init(original: Callable[..., None]) -> Callable[..., None]:
         check_crew_ledger(config)
         original(self, **data)
         if config is not None:
-            _call.stash_config(self, config)
+            _stash.stash_config(self, config)
             _call.crews[str(self.id)] = self
 
     init.__pydantic_base_init__ = True  # type: ignore[attr-defined]
@@ -347,9 +347,9 @@ def _crew_copy(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def copy(self: Any) -> Any:
         duplicate = original(self)
-        config = _call.config_of(self)
+        config = _stash.config_of(self)
         if config is not None:
-            _call.stash_config(duplicate, config)
+            _stash.stash_config(duplicate, config)
             _call.crews[str(duplicate.id)] = duplicate
         return duplicate
 

@@ -17,8 +17,9 @@ from typing import Any, Literal
 from crewai.tools.base_tool import BaseTool
 
 from .._errors import GuardInactive
-from ._call import GUARD_MARK, METHODS, options_of
+from ._call import GUARD_MARK, METHODS
 from ._patch import install, is_installed
+from ._stash import options_of
 
 _CHECKED = "__crewai_idempotent_checked__"
 

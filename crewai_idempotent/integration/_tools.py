@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from _crewai_idempotent_autoload import OPTION_NAMES
 
-from ._call import GUARD_MARK, TOOL_STASH, fields_of, hide_key, options_of
+from ._call import GUARD_MARK, fields_of, hide_key
+from ._stash import TOOL_STASH, options_of
 
 if TYPE_CHECKING:
     from ._config import ToolOptions

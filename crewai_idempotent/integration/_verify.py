@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_reporting(report: Path) -> tuple[str, list[dict[str, Any]], str]:
     """Run the self-test, writing each check's line to `report` as it finishes."""
-    from .offline._selftest import run_in_subprocess
+    from .offline._selftest_process import run_in_subprocess
 
     fd = os.open(report, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with open(fd, "w", encoding="utf-8") as out:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pydantic_core
 
-from .._errors import CorruptRecord, LedgerUnavailable
+from .._error_base import CorruptRecord, LedgerUnavailable
 from ._hostclock import HostClock
 from ._results import decode
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._errors import DeliveryFailed, LedgerConfigurationError
-from ._channels import Channel, check_options
+from ._kinds import Channel, built_in, check_options
 from ._message import Message
 
 
@@ -59,3 +59,6 @@ class AppriseChannel(Channel):
         if not sent:
             lines = [line.split(" - ", 2)[-1] for line in said.splitlines()]
             raise DeliveryFailed("; ".join(lines)[-300:] or "apprise reported a failure")
+
+
+built_in(AppriseChannel.scheme, AppriseChannel)

@@ -15,98 +15,36 @@ target's query or leak to it. Options every channel takes:
 - `timeout_s`: how long one try may take (10 s).
 
 A setting that cannot work (an unknown channel or option, a webhook without a secret) is
-a `LedgerConfigurationError` where it is given, never at the first delivery.
+a `LedgerConfigurationError` where it is given, never at the first delivery. An option's
+value is taken as written, `+` included (a base64 secret holds them); `%XX` escapes are
+decoded. The kinds (`Channel`, `register`) live in `_kinds`, which the channel modules
+register into as they load; this module loads them and reads it.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import hashlib
 import os
 import re
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
-from urllib.parse import parse_qsl, urlsplit
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import parse_qsl
 
-from .._errors import DeliveryFailed, LedgerConfigurationError
-from ._message import Message
+from .._errors import LedgerConfigurationError
+from . import _apprise, _slack, _webhook
+from ._kinds import Channel, kinds, register, shown
+
+__all__ = ["ENV", "Channel", "channel_from_url", "channels_from", "env_channels", "register"]
 
 #: Channels for every process that has no `notify=` setting of its own (space or comma
 #: separated URLs), and for `crewai-idempotent notify` without `--channel`.
 ENV = "CREWAI_IDEMPOTENCY_NOTIFY"
-DEFAULT_TIMEOUT_S = 10.0
+# The built-in kinds registered themselves as they loaded (above); named here so that
+# reading this module says which they are.
+BUILT_IN = (_webhook.WebhookChannel, _slack.SlackChannel, _apprise.AppriseChannel)
 
-
-class Channel(ABC):
-    """Somewhere entries go. `send` delivers one message or raises `DeliveryFailed`;
-    every try of one entry carries the same `message.id`, for the receiver to deduplicate.
-
-    `target` is where it sends (the URL after `channel+`, without the fragment), `options`
-    the fragment's options (`name`, `types`, `timeout_s` and the channel's own). Raises
-    `LedgerConfigurationError` for a `timeout_s` that is not a positive number of seconds.
-    """
-
-    scheme: ClassVar[str]
-
-    def __init__(self, target: str, options: Mapping[str, str]) -> None:
-        self.target = target
-        self.options = dict(options)
-        self.name = options.get("name") or f"{self.scheme}-{_digest(target)}"
-        types = options.get("types", "*")
-        self.types = tuple(t.strip() for t in types.split(",") if t.strip()) or ("*",)
-        self.timeout_s = _seconds(options.get("timeout_s"), DEFAULT_TIMEOUT_S, self.scheme)
-
-    def wants(self, entry_type: str) -> bool:
-        """Whether entries of `entry_type` go to this channel: it matches one of the
-        channel's `types` patterns. Raises nothing."""
-        return any(fnmatch.fnmatchcase(entry_type, pattern) for pattern in self.types)
-
-    @abstractmethod
-    def send(self, message: Message) -> None:
-        """Deliver `message` once. Raises `DeliveryFailed` when it was not delivered (with
-        the HTTP status and Retry-After, if any, for the backoff); the dispatcher tries
-        again later with the same `message.id`."""
-
-    @property
-    def url(self) -> str:
-        """The channel as shown: where it sends, without the credentials in it."""
-        return f"{self.scheme}+{_shown(self.target)}"
-
-    def close(self) -> None:  # noqa: B027 - optional for channels that hold nothing open
-        pass
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name} {self.url}>"
-
-
-_CHANNELS: dict[str, Callable[[str, Mapping[str, str]], Channel]] = {}
 # URLs in one string are separated by spaces, or by a comma before the next channel (a
 # comma inside a URL, as in `types=approval.*,record.*`, stays in it).
 _SEPARATOR = re.compile(r"\s+|,\s*(?=[A-Za-z][A-Za-z0-9.-]*\+)")
-
-
-def register(scheme: str, make: Callable[[str, Mapping[str, str]], Channel]) -> None:
-    """Add a channel kind: `scheme+target#options` URLs are given to `make(target, options)`.
-    A `scheme` registered again is replaced. Raises nothing."""
-    _CHANNELS[scheme] = make
-
-
-_built_in = False  # whether the built-in kinds are in _CHANNELS yet
-
-
-def _known() -> dict[str, Callable[[str, Mapping[str, str]], Channel]]:
-    # Loaded at the first URL, not at import (their modules import httpx); a kind the
-    # application registered before that keeps its own maker.
-    global _built_in
-    if not _built_in:
-        from . import _apprise, _slack, _webhook
-
-        _CHANNELS.setdefault("webhook", _webhook.WebhookChannel)
-        _CHANNELS.setdefault("slack", _slack.SlackChannel)
-        _CHANNELS.setdefault("apprise", _apprise.AppriseChannel)
-        _built_in = True
-    return _CHANNELS
 
 
 def channel_from_url(url: str) -> Channel:
@@ -115,28 +53,31 @@ def channel_from_url(url: str) -> Channel:
     an option given twice, or a setting the channel refuses (the message names the URL)."""
     if not isinstance(url, str) or "+" not in url.split("://", 1)[0]:
         raise LedgerConfigurationError(
-            f"not a notification channel URL: {_shown(str(url))!r}; one is CHANNEL+TARGET, such "
+            f"not a notification channel URL: {shown(str(url))!r}; one is CHANNEL+TARGET, such "
             "as webhook+https://..., slack+https://hooks.slack.com/... or apprise+mailto://..."
         )
     scheme, target = url.strip().split("+", 1)
-    make = _known().get(scheme.lower())
+    make = kinds().get(scheme.lower())
     if make is None:
         raise LedgerConfigurationError(
-            f"{_shown(url)!r}: unknown notification channel {scheme!r}; the channels are "
-            f"{', '.join(sorted(_known()))}"
+            f"{shown(url)!r}: unknown notification channel {scheme!r}; the channels are "
+            f"{', '.join(sorted(kinds()))}"
         )
     target, _, fragment = target.partition("#")
     options: dict[str, str] = {}
-    for name, value in parse_qsl(fragment, keep_blank_values=True, strict_parsing=False):
+    # `+` is kept as it is (form encoding would read it as a space: a base64 secret
+    # would sign with a key other than the one given); `%XX` is still decoded.
+    verbatim = fragment.replace("+", "%2B")
+    for name, value in parse_qsl(verbatim, keep_blank_values=True, strict_parsing=False):
         if name in options:
-            raise LedgerConfigurationError(f"{_shown(url)!r}: option {name!r} given twice")
+            raise LedgerConfigurationError(f"{shown(url)!r}: option {name!r} given twice")
         options[name] = value
     try:
         return make(target, options)
     except LedgerConfigurationError as exc:
-        raise LedgerConfigurationError(f"{_shown(url)!r}: {exc}") from None
+        raise LedgerConfigurationError(f"{shown(url)!r}: {exc}") from None
     except ValueError as exc:
-        raise LedgerConfigurationError(f"{_shown(url)!r}: {exc}") from None
+        raise LedgerConfigurationError(f"{shown(url)!r}: {exc}") from None
 
 
 def channels_from(value: Any, where: str = "notify") -> tuple[Channel, ...]:
@@ -168,109 +109,3 @@ def env_channels() -> tuple[Channel, ...]:
     """The channels `CREWAI_IDEMPOTENCY_NOTIFY` names."""
     value = os.environ.get(ENV, "").strip()
     return channels_from(value, ENV) if value else ()
-
-
-def check_options(scheme: str, options: Mapping[str, str], known: Iterable[str]) -> None:
-    allowed = {"name", "types", "timeout_s", *known}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise LedgerConfigurationError(
-            f"unknown option(s) {unknown} for a {scheme} channel; its options are "
-            f"{', '.join(sorted(allowed))}"
-        )
-
-
-def flag(value: str | None, name: str) -> bool:
-    if value is None:
-        return False
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise LedgerConfigurationError(f"{name} must be true or false, not {value!r}")
-
-
-def _seconds(value: str | None, default: float, scheme: str) -> float:
-    if value is None:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise LedgerConfigurationError(f"timeout_s must be seconds, not {value!r}") from None
-    if not seconds > 0 or seconds == float("inf"):
-        raise LedgerConfigurationError(f"timeout_s must be more than 0 seconds, not {value!r}")
-    return seconds
-
-
-def _digest(target: str) -> str:
-    return hashlib.sha256(target.encode("utf-8", "surrogatepass")).hexdigest()[:10]
-
-
-def _shown(url: str) -> str:
-    """A URL as shown: no password, no path or query (a Slack webhook's path is its
-    secret), no options (a webhook's secret may be one)."""
-    try:
-        parts = urlsplit(url.split("#", 1)[0])
-    except ValueError:
-        return "<a URL that cannot be read>"
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    if not parts.netloc:
-        return f"{parts.scheme}:…" if parts.scheme else "…"
-    shown = f"{parts.scheme}://{host}"
-    return shown + ("/…" if parts.path.strip("/") or parts.query else "")
-
-
-def post(client: Any, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float) -> Any:
-    """POST `body` to `url`; the response, or `DeliveryFailed` for anything but a 2xx
-    (the status and a Retry-After kept). Redirects are not followed: a signed delivery
-    goes where it was configured to, or fails."""
-    import httpx
-
-    try:
-        response = client.post(url, content=body, headers=dict(headers), timeout=timeout_s)
-    except httpx.TimeoutException as exc:
-        raise DeliveryFailed(f"no answer within {timeout_s} s ({type(exc).__name__})") from exc
-    except httpx.HTTPError as exc:
-        raise DeliveryFailed(f"{type(exc).__name__}: {exc}") from exc
-    if 200 <= response.status_code < 300:
-        return response
-    raise DeliveryFailed(
-        f"HTTP {response.status_code}: {response.text[:200]}".strip(),
-        status=response.status_code,
-        retry_after=_retry_after(response.headers.get("retry-after")),
-    )
-
-
-def _retry_after(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return max(float(value), 0.0)
-    except ValueError:
-        pass
-    try:
-        import email.utils
-        import time
-
-        when = email.utils.parsedate_to_datetime(value)
-        return max(when.timestamp() - time.time(), 0.0)
-    except (TypeError, ValueError):
-        return None
-
-
-def http_client() -> Any:
-    import httpx
-
-    return httpx.Client(follow_redirects=False, headers={"user-agent": _agent()})
-
-
-def _agent() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"crewai-idempotent/{version('crewai-idempotent')}"
-    except PackageNotFoundError:
-        return "crewai-idempotent"

@@ -3,7 +3,7 @@
 A pass (`run_once`) reads the entries not yet delivered (`scan_prefix` of the outbox,
 never the whole ledger) and, for each:
 
-1. an unconfirmed entry is looked up (`_outbox.confirmation`): its transition happened
+1. a waiting entry is looked up (`_outbox.confirmation`): its transition happened
    (now due), may still happen (looked at again later, less and less often) or never will
    (deleted: nothing to deliver);
 2. a due entry with a channel whose next try has come is *claimed*: a compare-and-set of
@@ -13,8 +13,8 @@ never the whole ledger) and, for each:
    delivery id). Each channel is tried in turn, never past the lease; the results go in
    the entry by another compare-and-set, which also releases the claim;
 3. a failed try is tried again after a backoff (doubling from `backoff_s` to
-   `backoff_max_s`, with jitter, or the receiver's Retry-After): a dead receiver delays
-   an entry, never drops it;
+   `backoff_max_s`, with jitter, or longer if the receiver's Retry-After asks for longer,
+   up to `retry_after_max_s`): a dead receiver delays an entry, never drops it;
 4. an entry delivered to every channel that wants it moves to `crewai-idempotent/delivered/`
    (kept `retain_s`, for `notifications ls`), so the outbox a pass reads stays small. A
    granted approval stays until its grant ends, when the dispatcher records whether it
@@ -29,6 +29,7 @@ span and counters (`_telemetry`). The dispatcher runs in `crewai-idempotent noti
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import secrets
@@ -45,7 +46,8 @@ from ..ledger._hostclock import HostClock
 from ..ledger._record import Record, Status
 from ..ledger._results import encode
 from . import _incidents, _telemetry
-from ._channels import Channel, channels_from
+from ._channels import channels_from
+from ._kinds import Channel
 from ._message import Message
 from ._outbox import (
     DELIVERED,
@@ -56,16 +58,27 @@ from ._outbox import (
     confirmation,
     delivered,
     pending,
+    waits,
 )
 
 log = logging.getLogger("crewai_idempotent")
 
 _LOG_KEPT = 50  # tries kept in an entry's log; `tries` counts them all
 _MARGIN_S = 1.0  # a try starts only if it can end this long before the claim lapses
-_RECHECK_MAX_S = 60.0  # an unconfirmed entry is looked at again at least this often
+_RECHECK_MAX_S = 60.0  # a waiting entry is looked at again at least this often
+#: The longest pause a receiver's Retry-After gets (a day): a longer one, or a date far
+#: ahead, is taken as this, so a receiver cannot park an entry for good.
+RETRY_AFTER_MAX_S = 86400.0
 _SOON_S = 0.05  # after an entry written in this process, the pause before looking
 
 Listener = Callable[[str, Entry], None]
+
+
+class _Gone:
+    """What `_deliver` says of an entry that left the outbox meanwhile."""
+
+
+_GONE = _Gone()
 
 
 @dataclass
@@ -74,14 +87,16 @@ class Pass:
     failed, entries delivered to every channel, entries another dispatcher held, and
     entries still waiting for their transition."""
 
-    confirmed: int = 0  # unconfirmed entries whose transition was seen: now due
-    voided: int = 0  # unconfirmed entries whose transition never will be: deleted
+    confirmed: int = 0  # waiting entries whose transition was seen: now due
+    voided: int = 0  # waiting entries whose transition never will be: deleted
     sent: int = 0  # tries that delivered
     failed: int = 0  # tries that failed
     delivered: int = 0  # entries delivered to every channel, moved to the delivered ones
     busy: int = 0  # entries another dispatcher held, or claimed first
     waiting: int = 0  # entries still waiting for their transition
-    pending: int = 0  # entries left in the outbox after the pass
+    # Entries still to be delivered after the pass (`Entry.undelivered`: due, not yet
+    # delivered to every channel), as `notifications ls --state pending` lists them.
+    pending: int = 0
 
 
 class Dispatcher:
@@ -89,13 +104,15 @@ class Dispatcher:
     `Channel`s): at least once each, with backoff, one dispatcher per entry at a time.
 
     `poll_s` is the pause between passes when nothing wakes it; a failed try is tried
-    again after `backoff_s`, doubling up to `backoff_max_s` (never before the receiver's
-    Retry-After); delivered entries are kept `retain_s` (30 days) for `notifications ls`.
+    again after `backoff_s`, doubling up to `backoff_max_s`, or after the receiver's
+    Retry-After when it asks for longer (up to `retry_after_max_s`, a day); delivered
+    entries are kept `retain_s` (30 days) for `notifications ls`.
     `name` identifies this dispatcher in claims and logs (host:pid:random by default);
     `lease_s` is how long a claim holds an entry (longer than a try: the longest channel
     `timeout_s` plus 2 s); `clock` (`monotonic()`, `wait(event, s)`) is for tests.
     `listener(event, entry)` hears "confirmed", "void", "sent", "failed" and "delivered",
-    in the dispatcher's thread (the console's live view listens here).
+    in the dispatcher's thread (the console's live view listens here); for "sent" and
+    "failed" (one event per try), `entry.log[-1]` is the try the event is about.
 
     Raises `TypeError` for a `backend` that is not a `CacheBackend`, what `channels_from`
     raises for `channels`, and `ValueError` for no channel, a duration that is not a
@@ -111,6 +128,7 @@ class Dispatcher:
         lease_s: float = 60.0,
         backoff_s: float = 2.0,
         backoff_max_s: float = 3600.0,
+        retry_after_max_s: float = RETRY_AFTER_MAX_S,
         retain_s: float = 30 * 86400.0,
         name: str | None = None,
         clock: Any = None,
@@ -123,7 +141,8 @@ class Dispatcher:
             raise ValueError("a dispatcher needs at least one channel to deliver to")
         for label, value in (
             ("poll_s", poll_s), ("lease_s", lease_s), ("backoff_s", backoff_s),
-            ("backoff_max_s", backoff_max_s), ("retain_s", retain_s),
+            ("backoff_max_s", backoff_max_s), ("retry_after_max_s", retry_after_max_s),
+            ("retain_s", retain_s),
         ):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{label} must be a positive number of seconds, not {value!r}")
@@ -136,6 +155,7 @@ class Dispatcher:
         self.backend = backend
         self.poll_s, self.lease_s = float(poll_s), float(lease_s)
         self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)
+        self.retry_after_max_s = float(retry_after_max_s)
         self.retain_s = float(retain_s)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.listener = listener
@@ -231,50 +251,57 @@ class Dispatcher:
             # entry never holds back the next: each has its own schedule).
             entries = sorted(pending(self.backend), key=lambda e: _order(e[1]))
             for record, doc in entries:
-                self._one(record, doc, done)
-            done.pending = len(entries) - done.delivered - done.voided
+                if self._one(record, doc, done) == "due":
+                    done.pending += 1
             self.last = done
             return done
 
-    def _one(self, record: Record, doc: dict[str, Any], done: Pass) -> None:
-        if doc["state"] == "unconfirmed":
+    def _one(self, record: Record, doc: dict[str, Any], done: Pass) -> str | None:
+        """One entry's turn in a pass; where it stands after it ("waiting", "due",
+        "delivered"), or None when it left the outbox."""
+        if waits(doc):
             if not self._look_again(doc["id"]):
                 done.waiting += 1
-                return
+                return "waiting"
             verdict = confirmation(self.backend, doc)
             if verdict == VOID:
                 if self.backend.delete(record):
                     done.voided += 1
                     self._tell("void", doc)
                 self._recheck.pop(doc["id"], None)
-                return
+                return None
             if verdict != HAPPENED:
                 self._later(doc["id"])
                 done.waiting += 1
-                return
+                return "waiting"
             self._recheck.pop(doc["id"], None)
             confirmed = {**doc, "state": "due", "confirmed_at": self.backend.now()}
             written = self._write(record, confirmed)
             if written is None:
-                return  # changed meanwhile (another dispatcher): the next pass sees it
+                return "due"  # changed meanwhile (another dispatcher): the next pass sees it
             record, doc = written, confirmed
             done.confirmed += 1
             self._tell("confirmed", doc)
         if doc["state"] == "due":
             found = self._deliver(record, doc, done)
+            if isinstance(found, _Gone):
+                return None
             if found is None:
-                return
+                return "due"  # not sent now: not its time yet, or another dispatcher's
             record, doc = found
         if doc["state"] == "delivered":
-            self._finish(record, doc, done)
+            return self._finish(record, doc, done)
+        return str(doc["state"])
 
     def _deliver(
         self, record: Record, doc: dict[str, Any], done: Pass
-    ) -> tuple[Record, dict[str, Any]] | None:
+    ) -> tuple[Record, dict[str, Any]] | _Gone | None:
+        """The entry after its tries; None when nothing was tried (it stays as it is),
+        `_GONE` when it left the outbox meanwhile."""
         backend = self.backend
         if backend.get(DELIVERED + doc["id"]) is not None:
             backend.delete(record)  # delivered already: this copy was put again since
-            return None
+            return _GONE
         now = backend.now()
         wanted = [c for c in self.channels if c.wants(doc["type"])]
         deliveries: dict[str, Any] = doc.get("deliveries") or {}
@@ -305,7 +332,8 @@ class Dispatcher:
                 break  # it could outlast the claim: the next pass claims again
             attempt = int(deliveries.get(channel.name, {}).get("attempts", 0)) + 1
             tries.append(self._try(channel, message, attempt))
-        return self._record(claimed, claimed_doc, tries, wanted, done)
+        result = self._record(claimed, claimed_doc, tries, wanted, done)
+        return _GONE if result is None else result
 
     def _try(self, channel: Channel, message: Message, attempt: int) -> dict[str, Any]:
         began = self._monotonic()
@@ -351,13 +379,17 @@ class Dispatcher:
                 return None  # moved on by another dispatcher: every channel had it
             record, doc = current, _outbox_doc(current)
             mine = (doc.get("claim") or {}).get("by") == self.name
-        for one in tries:
+        # One event per try, each with the entry as it stood after that try: its log
+        # ends with the try the event is about.
+        kept = list(new.get("log") or ())
+        for n, one in enumerate(tries):
+            log_then = kept[: len(kept) - (len(tries) - 1 - n)]
             if one["ok"]:
                 done.sent += 1
-                self._tell("sent", new)
+                self._tell("sent", {**new, "log": log_then})
             else:
                 done.failed += 1
-                self._tell("failed", new)
+                self._tell("failed", {**new, "log": log_then})
         return written, new
 
     def _with_tries(
@@ -387,17 +419,20 @@ class Dispatcher:
     def _backoff(self, one: dict[str, Any]) -> float:
         delay = min(self.backoff_s * 2 ** (one["attempt"] - 1), self.backoff_max_s)
         delay *= random.uniform(0.75, 1.0)  # dispatchers retrying alike spread out
-        if one.get("retry_after") is not None:
-            delay = max(delay, min(float(one["retry_after"]), self.backoff_max_s))
+        asked = one.get("retry_after")
+        if asked is not None and not math.isnan(asked):
+            # The receiver knows when it will take deliveries again: never sooner than
+            # that, whatever `backoff_max_s` says, up to a bound of its own.
+            delay = max(delay, min(float(asked), self.retry_after_max_s))
         return delay
 
-    def _finish(self, record: Record, doc: dict[str, Any], done: Pass) -> None:
+    def _finish(self, record: Record, doc: dict[str, Any], done: Pass) -> str | None:
         """Delivered everywhere: a granted approval waits for its grant to end; the rest
         moves to the delivered entries (copied first, so nothing is ever in neither)."""
         watch = doc.get("watch")
         if watch:
             if watch["at"] > self.backend.now():
-                return
+                return "delivered"  # delivered everywhere; kept until the grant ends
             from ..gates._approvals import Approvals
 
             Approvals(self.backend).expire(watch["id"], watch["round"])
@@ -412,6 +447,7 @@ class Dispatcher:
         if self.backend.delete(record):
             done.delivered += 1
             self._tell("delivered", final)
+        return None
 
     def _prune(self) -> None:
         """Once an hour (and at the first pass): delivered entries older than `retain_s`

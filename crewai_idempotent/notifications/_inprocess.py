@@ -16,8 +16,8 @@ import weakref
 from collections.abc import Iterable
 
 from ..ledger._backend import CacheBackend
-from ._channels import Channel
 from ._dispatch import Dispatcher
+from ._kinds import Channel
 
 _lock = threading.Lock()
 _running: weakref.WeakKeyDictionary[CacheBackend, Dispatcher] = weakref.WeakKeyDictionary()

@@ -12,7 +12,8 @@ two keys, so the entry is tied to the write that is the transition:
   from which the entry's id is computed;
 - the entry document is inserted *before* that write, naming the write it waits for (the
   key and the token and revision the write replaces). Until someone sees the mark it is
-  `unconfirmed`; once the mark is seen it is `due`; once the source has moved on without
+  waiting (stored as `"state": "unconfirmed"`, shown as "waiting"); once the mark is seen
+  it is `due`; once the source has moved on without
   the mark, the write it waited for lost its race or never happened, and the entry is void
   (deleted, never delivered).
 
@@ -47,8 +48,14 @@ OUTBOX = DOCUMENTS + "outbox/"
 DELIVERED = DOCUMENTS + "delivered/"
 #: What every document carries as its fingerprint (the same as `_gatestore`'s).
 DOCUMENT = "crewai-idempotent-document"
-#: Marks a document keeps (the latest): more than its entries could pile up unconfirmed.
+#: Marks a document keeps (the latest): more than its entries could pile up waiting.
 MARKS_KEPT = 100
+#: The stored state of an entry waiting for its transition. The previous release reads and
+#: writes exactly this word, and workers of both share one ledger during an upgrade, so it
+#: is what is written; `Entry.state` (and everything a person reads) says "waiting", and a
+#: stored "waiting" (a later release's) is read as the same state.
+STORED_WAITING = "unconfirmed"
+_WAITING_STATES = (STORED_WAITING, "waiting")
 
 #: The entry types the package writes, and what each means for a person.
 TYPES = {
@@ -109,7 +116,7 @@ def _entry(
     doc = {
         "kind": "outbox", "v": 1, "id": entry_id, "type": type_, "at": at, "seq": seq,
         "subject": subject, "data": dict(data), "source": dict(source) if source else None,
-        "state": "unconfirmed" if source else "due", "confirmed_at": None if source else at,
+        "state": STORED_WAITING if source else "due", "confirmed_at": None if source else at,
         "deliveries": {}, "log": [], "tries": 0, "claim": None, "watch": _watch(type_, data),
     }  # fmt: skip
     return Record(
@@ -297,17 +304,19 @@ class Delivery:
 class Entry:
     """One entry of the outbox, as `notifications ls` shows it.
 
-    `state`: "unconfirmed" (written before its transition, which has not been seen yet),
-    "due" (to be delivered) or "delivered" (to every channel). `id` is the delivery id a
-    receiver deduplicates on: the same on every try, to every channel. `log` holds the
-    latest tries, failed ones included; `tries` counts them all."""
+    `state`: "waiting" (written before its transition, which has not been seen yet),
+    "due" (to be delivered: not yet delivered to every channel, `undelivered`) or
+    "delivered" (to every channel; a granted approval stays in the outbox until its grant
+    ends, delivered). `id` is the delivery id a receiver deduplicates on: the same on every
+    try, to every channel. `log` holds the latest tries, failed ones included; `tries`
+    counts them all."""
 
     id: str  # the delivery id, `ob_` and 24 hex digits
     type: str  # the entry type: one of `TYPES`, or an alert's own
     at: float  # when it was written (store's clock)
     subject: str | None  # the record's or document's key it is about, if any
     data: dict[str, Any]  # what it says: the fields of its type
-    state: str  # "unconfirmed", "due" or "delivered"
+    state: str  # "waiting", "due" or "delivered"
     confirmed_at: float | None = None  # when its transition was seen (`at` if none needed)
     deliveries: tuple[Delivery, ...] = ()  # where it stands with each channel, by name
     log: tuple[dict[str, Any], ...] = ()  # the latest tries, failed ones included
@@ -322,7 +331,8 @@ class Entry:
         claim = doc.get("claim")
         return cls(
             id=doc["id"], type=doc["type"], at=doc["at"], subject=doc.get("subject"),
-            data=dict(doc.get("data") or {}), state=doc["state"],
+            data=dict(doc.get("data") or {}),
+            state="waiting" if waits(doc) else doc["state"],
             confirmed_at=doc.get("confirmed_at"),
             deliveries=tuple(
                 Delivery(name, d["state"], d.get("attempts", 0), d.get("next_at"),
@@ -333,6 +343,21 @@ class Entry:
             claimed_by=claim.get("by") if isinstance(claim, dict) else None,
             source=doc.get("source"), seq=int(doc.get("seq") or 0),
         )  # fmt: skip
+
+    @property
+    def undelivered(self) -> bool:
+        """Whether it is still to be delivered: due, and not yet delivered to every channel
+        that wants it. The one definition `notify`, `notifications ls --state pending`,
+        `doctor` and the `notifications.pending` gauge count by; an entry waiting for its
+        transition is not (yet) one, and an approval delivered everywhere but kept in the
+        outbox until its grant ends is delivered."""
+        return self.state == "due"
+
+    @property
+    def failing(self) -> bool:
+        """Whether a try to a channel that does not have it yet failed (and none since
+        succeeded)."""
+        return any(d.last_error and d.state != "delivered" for d in self.deliveries)
 
     @property
     def summary(self) -> str:
@@ -356,6 +381,11 @@ def _doc(record: Record) -> dict[str, Any]:
     return value
 
 
+def waits(doc: Mapping[str, Any]) -> bool:
+    """Whether a stored entry document waits for its transition (either word for it)."""
+    return doc.get("state") in _WAITING_STATES
+
+
 def doc_of(record: Record) -> dict[str, Any]:
     """The entry document a record holds."""
     return _doc(record)
@@ -375,12 +405,12 @@ HAPPENED, WAITING, VOID = "happened", "waiting", "void"
 
 
 def confirmation(backend: CacheBackend, doc: Mapping[str, Any]) -> str:
-    """Whether the transition an unconfirmed entry waits for has happened (its mark is in
+    """Whether the transition a waiting entry waits for has happened (its mark is in
     the source), may still happen (the source is still what the write would replace), or
     never will (the source moved on without the mark: that write lost its race, or its
     writer died before it and someone else wrote)."""
     source = doc.get("source")
-    if not source or doc.get("state") != "unconfirmed":
+    if not source or not waits(doc):
         return HAPPENED
     held = backend.get(source["key"])
     if held is not None and _marks(held, source):
@@ -414,15 +444,15 @@ class Outbox:
         self.backend = backend
 
     def entries(self, *, include_delivered: bool = True, waiting: bool = False) -> list[Entry]:
-        """Every entry whose transition happened, oldest first: an unconfirmed one is
-        looked up, and shown as due once its transition is seen. With `waiting`, those
-        whose transition has not happened yet (and may never) too, as "unconfirmed". With
+        """Every entry whose transition happened, oldest first: a waiting one is looked
+        up, and shown as due once its transition is seen. With `waiting`, those whose
+        transition has not happened yet (and may never) too, as "waiting". With
         `include_delivered` (the default), the entries delivered to every channel and not
         pruned yet too. Raises `LedgerUnavailable` if the store cannot be read (or holds an
         entry document that is not one: `CorruptRecord`)."""
         found = []
         for _record, doc in pending(self.backend):
-            if doc["state"] == "unconfirmed":
+            if waits(doc):
                 verdict = confirmation(self.backend, doc)
                 if verdict == VOID or (verdict == WAITING and not waiting):
                     continue
@@ -438,7 +468,7 @@ class Outbox:
         return sorted(found, key=lambda e: (e.at, e.seq, e.id))
 
     def get(self, entry_id: str) -> Entry | None:
-        """The entry, if its transition happened (or if it waits for one: "unconfirmed").
+        """The entry, if its transition happened (or if it waits for one: "waiting").
         Raises `ValueError` for an `entry_id` that is not `ob_` and 24 hex digits, and
         `LedgerUnavailable` if the store cannot be read."""
         check_id(entry_id)
@@ -446,7 +476,7 @@ class Outbox:
             record = self.backend.get(prefix + entry_id)
             if record is not None:
                 doc = _doc(record)
-                if doc["state"] == "unconfirmed":
+                if waits(doc):
                     verdict = confirmation(self.backend, doc)
                     if verdict == VOID:
                         return None
@@ -454,3 +484,9 @@ class Outbox:
                         doc = {**doc, "state": "due"}
                 return Entry.of(doc)
         return None
+
+    def undelivered(self) -> list[Entry]:
+        """The entries still to be delivered (`Entry.undelivered`), oldest first: what
+        `doctor` counts and `notifications ls --state pending` lists. Raises what
+        `entries` raises."""
+        return [e for e in self.entries(include_delivered=False) if e.undelivered]

@@ -2,8 +2,9 @@
 
     slack+https://hooks.slack.com/services/T000/B000/XXXX#console=https://ops.example.com
 
-The message shows the whole call as far as Slack lets it: the tool, every argument (each
-shortened to fit Slack's limits, with how much was left out), the crew, task and kickoff,
+The message shows the whole call as far as Slack lets it: the tool, every argument (a
+line each, long values collapsed to fit Slack's limits, saying how long they were; only a
+call of several hundred arguments has the last ones counted instead), the crew, task and kickoff,
 the amount against each cap, and the commands that decide it; with `console=` a button
 opens the request in the console (`<console>/approvals/<id>`), and with `buttons=true`
 Approve and Deny buttons post to the console's Slack endpoint (the console receives
@@ -25,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .._errors import LedgerConfigurationError
-from ._channels import Channel, check_options, flag, http_client, post
+from ._kinds import Channel, built_in, check_options, flag, http_client, http_target, post
 from ._message import _TITLES, Message, approval_link, display, shorten, stamp
 
 #: Block Kit's limits that a message of ours could reach.
@@ -41,8 +42,9 @@ LIMITS = {
     "button_value": 2000,
     "text": 3000,  # the fallback text, shown in notifications (Slack's own limit is 40,000)
 }
-_ARGUMENTS_SHOWN = 20  # argument sections at most; the rest are counted
-_ARGUMENT_BUDGET = 24_000  # characters of argument values in one message
+_ARGUMENT_BUDGET = 30_000  # characters of the arguments in one message (escaped), shared
+_VALUE_LEAST = 40  # the shortest an argument's value is collapsed to
+_NAME_MOST = 100  # an argument's name is cut at this many characters
 
 
 def escape(text: str) -> str:
@@ -78,11 +80,11 @@ def payload(
 ) -> dict[str, Any]:
     """The message as Slack's incoming webhook takes it: `text` (the notification's
     fallback, this module's words and ids only) and `blocks`."""
-    blocks: list[dict[str, Any]] = [
+    head: list[dict[str, Any]] = [
         {"type": "header", "text": plain(message.title, LIMITS["header"])}
     ]
     if message.text:
-        blocks.append({"type": "section", "text": plain(message.text, LIMITS["section_text"])})
+        head.append({"type": "section", "text": plain(message.text, LIMITS["section_text"])})
     facts = message.facts()
     per_section = LIMITS["fields"] // 2
     for start in range(0, len(facts), per_section):
@@ -91,39 +93,99 @@ def payload(
             own = label in _OWN_LABELS
             fields.append(_label(label) if own else plain(label, LIMITS["field_text"]))
             fields.append(plain(value, 1000))
-        blocks.append({"type": "section", "fields": fields})
-    blocks += _arguments(message)
+        head.append({"type": "section", "fields": fields})
+    tail: list[dict[str, Any]] = []
     commands = message.commands()
     if commands:
         lines = "\n".join(f"{name}: {line}" for name, line in commands.items())
-        blocks.append({"type": "section", "text": plain(lines, LIMITS["section_text"])})
+        tail.append({"type": "section", "text": plain(lines, LIMITS["section_text"])})
     actions = _actions(message, console, buttons)
     if actions:
-        blocks.append({"type": "actions", "elements": actions})
+        tail.append({"type": "actions", "elements": actions})
     context = f"entry {message.id} · {stamp(message.at)} · {message.ledger_url}"
-    blocks.append({"type": "context", "elements": [plain(context, 2000)]})
+    tail.append({"type": "context", "elements": [plain(context, 2000)]})
+    room = LIMITS["blocks"] - len(head) - len(tail)
+    blocks = [*head, *_arguments(message, room), *tail]
     assert len(blocks) <= LIMITS["blocks"], len(blocks)
-    head = _TITLES.get(message.type, "notification")
+    title = _TITLES.get(message.type, "notification")
     about = message.data.get("id") if message.type.startswith("approval.") else None
-    fallback = f"crewai-idempotent: {head} ({about or message.id})"
+    fallback = f"crewai-idempotent: {title} ({about or message.id})"
     return {"text": escape(shorten(fallback, LIMITS["text"])), "blocks": blocks}
 
 
-def _arguments(message: Message) -> list[dict[str, Any]]:
+def _arguments(message: Message, room: int) -> list[dict[str, Any]]:
+    """Every argument, one line each (`name = value`), packed into as few sections as
+    hold them in at most `room` blocks: long values are collapsed (cut, saying how long
+    they were), more the more arguments there are, never whole arguments left out, as
+    long as each can keep `_VALUE_LEAST` characters within `_ARGUMENT_BUDGET`. Past that
+    (several hundred arguments) the last block says how many are not shown."""
     args = message.arguments()
     if not args:
         return []
-    shown = args[:_ARGUMENTS_SHOWN]
-    each = min(LIMITS["section_text"] - 100, max(200, _ARGUMENT_BUDGET // len(shown)))
     heading = plain(f"The call's {len(args)} argument(s):", 200)
+    sections = room - 1  # the heading is a block too
+    each = max(_VALUE_LEAST, min(LIMITS["section_text"] - 200, _ARGUMENT_BUDGET // len(args)))
+    while True:
+        lines = [_argument_line(name, value, each) for name, value in args]
+        packed = _pack(lines)
+        size = sum(len(escape(line)) for line in lines)
+        if (len(packed) <= sections and size <= _ARGUMENT_BUDGET) or each == _VALUE_LEAST:
+            break
+        each = max(_VALUE_LEAST, each * 2 // 3)
+    more = None
+    if len(packed) > sections or size > _ARGUMENT_BUDGET:
+        # Even collapsed they do not fit: the first that do, and how many are not shown.
+        packed = _pack(_within(lines, _ARGUMENT_BUDGET), most=sections - 1)
+        left = len(args) - sum(text.count("\n") + 1 for text in packed)
+        more = f"… and {left} more argument(s), not shown: the show command below has them all"
     blocks: list[dict[str, Any]] = [{"type": "context", "elements": [heading]}]
-    for name, value in shown:
-        text = f"{name} = {shorten(display(value), each)}"
-        blocks.append({"type": "section", "text": plain(text, LIMITS["section_text"])})
-    if len(args) > len(shown):
-        more = f"… and {len(args) - len(shown)} more argument(s): `approvals show` has them all"
+    blocks += [{"type": "section", "text": plain(text, LIMITS["section_text"])} for text in packed]
+    if more is not None:
         blocks.append({"type": "context", "elements": [plain(more, 300)]})
     return blocks
+
+
+def _argument_line(name: str, value: Any, each: int) -> str:
+    """One argument as one line: its name (cut at `_NAME_MOST`), ` = `, and its value cut
+    to `each` characters, line breaks shown as `↵` (the next line is the next argument),
+    within a section's limit once escaped."""
+    label, whole = shorten(str(name), _NAME_MOST), display(value)
+    while True:
+        text = f"{label} = {shorten(whole, each)}"
+        text = text.replace("\r\n", "\n").replace("\n", "↵").replace("\r", "↵")
+        over = len(escape(text)) - LIMITS["section_text"]
+        if over <= 0 or each == 0:
+            return text
+        each = max(0, each - over)  # Slack's entities made it longer: cut the value more
+
+
+def _within(lines: list[str], budget: int) -> list[str]:
+    """The first of `lines` whose escaped size is within `budget` characters."""
+    size = 0
+    for count, line in enumerate(lines):
+        size += len(escape(line)) + 1
+        if size > budget:
+            return lines[:count]
+    return lines
+
+
+def _pack(lines: list[str], most: int | None = None) -> list[str]:
+    """`lines` joined into as few section texts as hold them, in order, each within a
+    section's limit once escaped; with `most`, no more than that many (the lines that do
+    not fit are left out)."""
+    packed: list[str] = []
+    size = 0
+    for line in lines:
+        grown = len(escape(line))
+        if packed and size + 1 + grown <= LIMITS["section_text"]:
+            packed[-1] += "\n" + line
+            size += 1 + grown
+        elif most is not None and len(packed) == most:
+            break
+        else:
+            packed.append(line)
+            size = grown
+    return packed
 
 
 def _actions(message: Message, console: str | None, buttons: bool) -> list[dict[str, Any]]:
@@ -154,14 +216,10 @@ class SlackChannel(Channel):
     def __init__(self, target: str, options: Mapping[str, str]) -> None:
         check_options(self.scheme, options, ("console", "buttons"))
         super().__init__(target, options)
-        parts = urlsplit(target)
-        loopback = parts.hostname in ("127.0.0.1", "localhost", "::1")
-        secure = parts.scheme == "https" or (parts.scheme == "http" and loopback)
-        if not parts.hostname or not secure:
-            raise LedgerConfigurationError(
-                "a slack channel posts to the incoming webhook's https:// URL "
-                "(https://hooks.slack.com/services/...)"
-            )
+        http_target(
+            target, "a slack channel", "https://hooks.slack.com/services/...",
+            lambda host: host in ("127.0.0.1", "localhost", "::1"),
+        )  # fmt: skip
         console = options.get("console") or None
         if console is not None and urlsplit(console).scheme not in ("https", "http"):
             raise LedgerConfigurationError(f"console must be the console's URL, not {console!r}")
@@ -180,3 +238,6 @@ class SlackChannel(Channel):
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+built_in(SlackChannel.scheme, SlackChannel)

@@ -14,13 +14,23 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _otel
 
 if TYPE_CHECKING:
-    from ._dispatch import Dispatcher
     from ._message import Message
+
+
+class Watched(Protocol):
+    """What the gauge reads of a dispatcher (`_dispatch.Dispatcher`, which imports this
+    module: naming it here would be an import circle)."""
+
+    name: str
+    backend: Any
+
+    @property
+    def last(self) -> Any: ...
 
 
 class _Nothing:
@@ -31,10 +41,10 @@ class _Nothing:
 _NOTHING = _Nothing()
 _lock = threading.Lock()
 _instruments: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-_dispatchers: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
+_dispatchers: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def watch(dispatcher: Dispatcher) -> None:
+def watch(dispatcher: Watched) -> None:
     """Count `dispatcher`'s undelivered entries in the gauge (as of its last pass)."""
     _dispatchers.add(dispatcher)
 

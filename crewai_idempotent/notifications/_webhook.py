@@ -8,12 +8,15 @@ the receiver's key to deduplicate on), `webhook-timestamp` (when this try was se
 `webhook-signature`, made by the `standardwebhooks` library from the shared secret.
 A 2xx is delivered; anything else is a failed try, tried again later (`Retry-After`
 respected). Redirects are not followed. The secret is `secret_env=NAME` (read now),
-`secret_file=PATH` or `secret=whsec_...`, as the library takes it (base64, `whsec_`
-prefixed or not). Plain `http://` is refused except to this host (tests, a sidecar).
+`secret_file=PATH` or `secret=whsec_...`: a Standard Webhooks secret (base64 of 24 to 64
+bytes, `whsec_` prefixed or not), taken as given, `+` included; anything else is refused
+here, never signed with. Plain `http://` is refused except to this host (tests, a sidecar).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime as dt
 import ipaddress
 import json
@@ -21,10 +24,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from .._errors import LedgerConfigurationError
-from ._channels import Channel, check_options, http_client, post
+from ._kinds import Channel, built_in, check_options, http_client, http_target, post
 from ._message import Message
 
 
@@ -34,16 +36,7 @@ class WebhookChannel(Channel):
     def __init__(self, target: str, options: Mapping[str, str]) -> None:
         check_options(self.scheme, options, ("secret", "secret_env", "secret_file"))
         super().__init__(target, options)
-        parts = urlsplit(target)
-        if parts.scheme not in ("https", "http") or not parts.hostname:
-            raise LedgerConfigurationError(
-                f"a webhook channel posts to an https:// URL, not {parts.scheme or target!r}"
-            )
-        if parts.scheme == "http" and not _loopback(parts.hostname):
-            raise LedgerConfigurationError(
-                "a webhook channel sends its deliveries over https:// (plain http:// only to "
-                "this host)"
-            )
+        http_target(target, "a webhook channel", "https://hooks.example.com/crewai", _loopback)
         try:
             from standardwebhooks import Webhook
         except ImportError as exc:
@@ -90,21 +83,59 @@ def _secret(options: Mapping[str, str]) -> str:
             + (f" (not {' and '.join(given)})" if given else "")
         )
     if "secret" in options:
-        secret = options["secret"]
+        secret, where = options["secret"], "secret="
     elif "secret_env" in options:
         name = options["secret_env"]
-        secret = os.environ.get(name, "")
+        if not name.strip():
+            raise LedgerConfigurationError(
+                "secret_env= names no variable: give the name of the environment variable "
+                "that holds the secret (#secret_env=HOOK_SECRET)"
+            )
+        secret, where = os.environ.get(name, ""), f"secret_env={name}"
         if not secret.strip():
             raise LedgerConfigurationError(f"secret_env={name}: that variable is not set")
     else:
         path = Path(options["secret_file"])
+        if not options["secret_file"].strip():
+            raise LedgerConfigurationError(
+                "secret_file= names no file: give the path of the file that holds the secret"
+            )
         try:
             secret = path.read_text("utf-8")
         except OSError as exc:
             raise LedgerConfigurationError(f"secret_file={path}: {exc}") from None
+        where = f"secret_file={path}"
     if not secret.strip():
-        raise LedgerConfigurationError("the webhook secret is empty")
-    return secret.strip()
+        raise LedgerConfigurationError(f"{where}: the webhook secret is empty")
+    return _standard(secret.strip(), where)
+
+
+#: What Standard Webhooks asks of a secret: base64 of 24 to 64 random bytes.
+SECRET_BYTES = (24, 64)
+
+
+def _standard(secret: str, where: str) -> str:
+    """`secret` as given, if it is one the Standard Webhooks format allows (`whsec_` and
+    the base64 of 24 to 64 bytes; the prefix may be left out, as the library allows):
+    else a `LedgerConfigurationError` that says what is wrong, never a key of our own
+    making (the receiver would refuse every delivery)."""
+    encoded = secret.removeprefix("whsec_")
+    try:
+        key = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise LedgerConfigurationError(
+            f"{where}: not a Standard Webhooks secret (whsec_ and base64: letters, digits, "
+            "+, / and = padding); use the one the receiver verifies with, or make one with: "
+            'python -c "import base64, os; '
+            "print('whsec_' + base64.b64encode(os.urandom(32)).decode())\""
+        ) from None
+    low, high = SECRET_BYTES
+    if not low <= len(key) <= high:
+        raise LedgerConfigurationError(
+            f"{where}: a Standard Webhooks secret is {low} to {high} bytes, base64 encoded; "
+            f"this one is {len(key)}"
+        )
+    return secret
 
 
 def _loopback(host: str) -> bool:
@@ -114,3 +145,6 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+built_in(WebhookChannel.scheme, WebhookChannel)

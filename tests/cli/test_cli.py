@@ -27,6 +27,7 @@ from crewai_idempotent import (
     Status,
 )
 from crewai_idempotent.cli import main
+from crewai_idempotent.ledger._record import _whoami
 
 WIDE = {"COLUMNS": "250"}  # rich wraps tables at 80 columns when not on a terminal
 
@@ -258,7 +259,7 @@ def test_show_unknown_key(url: str, populated: Ledger) -> None:
 def test_resolve_happened_with_a_json_receipt(url: str, populated: Ledger) -> None:
     result = cli(
         url, "resolve", "order-uncertain", "--happened", "--result", '{"id": "ch_9", "n": 1}',
-        "--reason", "ch_9 in the dashboard", "--by", "alice",
+        "--reason", "ch_9 in the dashboard",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "COMMITTED" in result.stdout and "ch_9" in result.stdout
@@ -268,12 +269,25 @@ def test_resolve_happened_with_a_json_receipt(url: str, populated: Ledger) -> No
     event = record.history[-1]
     assert (event.kind, event.by, event.note) == (
         "resolve",
-        "alice",
+        _whoami(),
         "happened: ch_9 in the dashboard",
     )
     assert populated.run("order-uncertain", _raise(AssertionError("must replay"))) == {
         "id": "ch_9", "n": 1
     }  # fmt: skip
+
+
+def test_resolve_refuses_a_typed_name_as_approvals_do(url: str, populated: Ledger) -> None:
+    """A resolution, like a decision, is recorded as the user running the command: a typed
+    --by would let one person settle a record as someone else."""
+    for verdict in (["--absent"], ["--happened", "--result-text", "ch_9"]):
+        typed = cli(url, "resolve", "order-uncertain", *verdict, "--reason", "seen", "--by", "cfo")
+        assert typed.exit_code == 2, typed.output
+        assert "--by" in typed.stderr and "not a typed name" in typed.stderr
+        assert f"recorded as yours ({_whoami()}, the user running this command)" in typed.stderr
+        record = populated.get("order-uncertain")
+        assert record is not None and record.status is Status.UNCERTAIN
+    assert "--by" not in cli(url, "resolve", "--help").output  # refused, so not offered
 
 
 def test_resolve_happened_with_a_text_receipt(url: str, populated: Ledger) -> None:
@@ -404,6 +418,104 @@ def test_unreadable_ledger(tmp_path: Path) -> None:
 def test_ledger_from_the_environment(url: str, populated: Ledger) -> None:
     result = cli(None, "ls", "--status", "failed", env={"CREWAI_IDEMPOTENCY_URL": url})
     assert result.exit_code == 0 and set(rows(result.stdout)) == {"order-failed"}
+
+
+# Every command, nested ones included, with what it needs to run on `populated`.
+_EVERY_COMMAND = [
+    ["ls"], ["show", "order-committed"], ["export"], ["purge"], ["doctor"], ["spend"],
+    ["reconcile", "--dry-run"], ["resolve", "{key}", "--absent", "--reason", "gone"],
+    ["approvals", "ls"], ["notifications", "ls"], ["console", "users", "ls"],
+]  # fmt: skip
+
+
+def _nowhere(tmp_path: Path) -> dict[str, str | None]:
+    """An environment whose default ledger does not exist: a command that works used --ledger."""
+    return {"XDG_DATA_HOME": str(tmp_path / "empty"), "CREWAI_STORAGE_DIR": None,
+            "CREWAI_IDEMPOTENCY_URL": None}  # fmt: skip
+
+
+@pytest.mark.parametrize("words", _EVERY_COMMAND, ids=lambda words: " ".join(words[:2]))
+def test_the_ledger_goes_before_or_after_any_command(
+    url: str, populated: Ledger, tmp_path: Path, words: list[str]
+) -> None:
+    if words[0] == "console":
+        pytest.importorskip("argon2", reason="the console extra is not installed")
+    env = {**WIDE, **_nowhere(tmp_path)}
+    groups = 2 if words[0] == "console" else 1 if words[0] in ("approvals", "notifications") else 0
+    placements = [
+        ["--ledger", url, *words],  # before the command
+        [*words, "--ledger", url],  # after it (and after its subcommand)
+        [*words[: groups + 1], "--ledger", url, *words[groups + 1 :]],  # right after the name
+        [*words[:1], "--ledger", url, *words[1:]],  # between a group and its subcommand
+        ["--ledger", url, *words, "--ledger", url],  # both, the same
+    ]
+    for number, argv in enumerate(placements):
+        key = f"order-lost-{number}"  # a record of its own to resolve, for each placement
+        with pytest.raises(OutcomeUnknown):
+            populated.run(key, _raise(OutcomeUnknown("timed out")))
+        argv = [word.replace("{key}", key) for word in argv]
+        done = CliRunner().invoke(main, argv, env=env)
+        assert done.exit_code == 0, (argv, done.output)
+        assert "No such option" not in done.output
+        assert "no ledger at the default location" not in done.output
+    if words[0] == "ls":
+        assert "order-committed" in done.stdout  # the ledger named, not another
+
+
+def test_a_ledger_given_before_and_after_must_agree(
+    url: str, populated: Ledger, tmp_path: Path
+) -> None:
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    env = {**WIDE, **_nowhere(tmp_path)}
+    for argv in (
+        ["--ledger", other, "ls", "--ledger", url],
+        ["--ledger", other, "approvals", "ls", "--ledger", url],
+        ["approvals", "--ledger", other, "ls", "--ledger", url],
+    ):
+        done = CliRunner().invoke(main, argv, env=env)
+        assert done.exit_code == 2, (argv, done.output)
+        assert "--ledger is given twice with different URLs" in done.stderr
+        assert other in done.stderr and url in done.stderr
+    assert not (tmp_path / "other.db").exists()
+    # The environment's ledger is not "given": the one after the command is used.
+    from_env = CliRunner().invoke(
+        main, ["ls", "--ledger", url], env={**env, "CREWAI_IDEMPOTENCY_URL": other}
+    )
+    assert from_env.exit_code == 0 and "order-committed" in from_env.stdout
+    # A password is never repeated.
+    secret = "postgresql://app:hunter2hunter2@db.invalid/ledger"
+    refused = CliRunner().invoke(main, ["--ledger", secret, "ls", "--ledger", url], env=env)
+    assert refused.exit_code == 2 and "hunter2" not in refused.output
+    assert "postgresql://app:***@db.invalid/ledger" in refused.stderr
+
+
+def test_piped_output_is_not_wrapped(url: str, populated: Ledger) -> None:
+    """Not on a terminal, a line is printed whole, however long (rich would wrap at 80)."""
+    reason = " and ".join(["checked the provider's dashboard for key order-uncertain"] * 3)
+    piped = {"COLUMNS": None, "LINES": None}
+    resolved = CliRunner().invoke(
+        main, ["--ledger", url, "resolve", "order-uncertain", "--happened", "--result-text",
+               "ch_" + "9" * 90, "--reason", reason], env=piped,
+    )  # fmt: skip
+    assert resolved.exit_code == 0, resolved.output
+    (line,) = resolved.stdout.splitlines()
+    assert line.startswith("resolved 'order-uncertain' as happened") and ("9" * 90) in line
+    shown = CliRunner().invoke(main, ["--ledger", url, "show", "order-uncertain"], env=piped)
+    assert shown.exit_code == 0, shown.output
+    (note,) = [line for line in shown.stdout.splitlines() if "happened: " in line]
+    assert f"happened: {reason}" in note
+
+
+def test_the_notify_lease_limit_is_the_documented_one(url: str, populated: Ledger) -> None:
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "notifications.md")
+                    .read_text(encoding="utf-8").split())  # fmt: skip
+    assert "must be longer than a try may take: the longest channel `timeout_s` plus 2 s" in docs
+    hook = "webhook+https://hooks.example.invalid/x#secret=whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    slow = f"{hook}&timeout_s=20"
+    refused = cli(url, "notify", "--channel", slow, "--lease", "21.9s")
+    assert refused.exit_code == 2 and "shorter than a try may take (22.0 s" in refused.output
+    enough = cli(url, "notify", "--channel", slow, "--lease", "22s")  # an empty outbox: one pass
+    assert enough.exit_code == 0, enough.output
 
 
 def test_default_ledger_is_the_integrations(

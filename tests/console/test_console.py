@@ -115,6 +115,25 @@ def test_pages_need_a_login_and_the_session_cookie_is_strict(client: TestClient)
     assert client.get("/approvals", follow_redirects=False).status_code == 303
 
 
+def test_the_ledger_is_named_only_to_someone_logged_in(
+    backend: CacheBackend, client: TestClient
+) -> None:
+    """Its URL names a host, a file, a user: not for whoever reaches the login page."""
+    ledger = backend.url  # type: ignore[attr-defined]
+    path = ledger.split(":///", 1)[1]
+    for answer in (
+        client.get("/login"),  # the login page
+        client.get("/events"),  # 401: not logged in
+        client.post("/logout", data={"csrf": "x"}),  # 401 too
+        login(client, "alice", "not the password"),  # 401: wrong password
+    ):
+        assert answer.status_code in (200, 401), answer.text
+        assert ledger not in answer.text and path not in answer.text, answer.status_code
+    assert "console users add" not in client.get("/login").text  # no command without --ledger
+    assert login(client, "alice").status_code == 303
+    assert f"ledger <code>{ledger}</code>" in client.get("/approvals").text
+
+
 def test_wrong_passwords_say_nothing_about_which_part_was_wrong(client: TestClient) -> None:
     for name, password in (("alice", "wrong password!"), ("nobody", PASSWORD),
                            ("pat@example.com", PASSWORD)):  # fmt: skip
@@ -525,6 +544,25 @@ def test_proxy_identity_is_believed_only_from_the_proxy(backend: CacheBackend) -
         assert refused.status_code == 403 and "directly" in refused.text
 
 
+def test_with_the_auth_proxy_an_account_with_a_password_is_accepted_too(
+    backend: CacheBackend,
+) -> None:
+    """docs/console.md says so: the proxy's login is the one that counts; the password is
+    unused there, and a stranger's 403 names no ledger."""
+    settings = {"auth": "proxy", "trusted_proxies": ("10.1.2.3",)}
+    with _client(backend, client=("10.1.2.3", 4000), **settings) as proxied:
+        page = proxied.get("/approvals", headers={"x-forwarded-email": "olga"})
+        assert page.status_code == 200 and "olga · operator · auth proxy" in page.text
+        stranger = proxied.get("/approvals", headers={"x-forwarded-email": "eve@example.com"})
+        assert stranger.status_code == 403 and "has no console account" in stranger.text
+        assert backend.url not in stranger.text  # type: ignore[attr-defined]
+        assert "crewai-idempotent console users add" not in stranger.text
+    docs = " ".join(
+        (Path(__file__).resolve().parents[2] / "docs" / "console.md").read_text().split()
+    )
+    assert "An account that also has a password is accepted through the header too" in docs
+
+
 def test_forwarded_headers_count_only_from_trusted_proxies(
     backend: CacheBackend, clock: Clock
 ) -> None:
@@ -784,6 +822,26 @@ def test_the_notifications_page_shows_entries_tries_and_filters(backend: CacheBa
         assert "This console delivers nothing" in page.text  # no dispatcher runs here
         wrong = c.get("/notifications", params={"state": "lost"})
         assert wrong.status_code == 400 and "No state" in wrong.text
+
+
+def test_the_notifications_page_shows_waiting_entries_as_waiting(backend: CacheBackend) -> None:
+    """An entry written before its transition (stored as the previous release writes it)
+    is listed under `waiting` and said to wait, and is not counted as pending."""
+    from crewai_idempotent.notifications import Outbox
+    from crewai_idempotent.notifications._outbox import Note, of_document
+
+    (stored,) = of_document(
+        "crewai-idempotent/approval/ap_never", None, [Note("alert.test", {"title": "later"})],
+        backend.now(),
+    )  # fmt: skip
+    backend.insert(stored)
+    (entry,) = Outbox(backend).entries(waiting=True)
+    with _client(backend) as c:
+        _as(c, "victor")
+        waiting = c.get("/notifications", params={"state": "waiting"}).text
+        assert entry.id in waiting and "Waiting for its transition" in waiting
+        pending = c.get("/notifications", params={"state": "pending"}).text
+        assert entry.id not in pending
 
 
 def test_the_console_delivers_the_outbox_while_it_runs(backend: CacheBackend) -> None:

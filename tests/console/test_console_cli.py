@@ -15,7 +15,7 @@ from crewai_idempotent import Ledger, Status, backend_from_url
 from crewai_idempotent.cli import main
 from crewai_idempotent.console import Accounts, Role
 from crewai_idempotent.notifications import ENV, Outbox
-from tests.support.console import PASSWORD, ask, served
+from tests.support.console import PASSWORD, REPO, ask, served
 from tests.support.notify import Receiver
 from tests.support.reconcile import uncertain, wait_for
 
@@ -125,7 +125,24 @@ def test_serving_mistakes_are_refused_before_it_listens(url: str, tmp_path: Path
         assert done.exit_code == 2 and message in done.output, (args, done.output)
     missing = CliRunner().invoke(main, ["--ledger", f"sqlite:///{tmp_path}/nope.db", "console"])
     assert missing.exit_code == 1 and "no ledger at" in missing.output
-    assert "demo-approvals --ledger-path" in missing.output
+    assert f"--ledger sqlite:///{tmp_path}/nope.db console users add NAME" in missing.output
+    assert not (tmp_path / "nope.db").exists()  # serving makes no ledger
+
+
+def test_the_limits_it_refuses_are_the_documented_ones(url: str, tmp_path: Path) -> None:
+    docs = " ".join((REPO / "docs" / "console.md").read_text(encoding="utf-8").split())
+    assert "a request; each must be more than 60 s" in docs
+    assert "one shorter than 16 characters is refused" in docs
+    for status in ("401", "403", "404", "409", "429", "503"):
+        assert f"| {status} |" in docs, status
+    for option, value in (("--idle-timeout", "60s"), ("--session-ttl", "1m")):
+        done = cli(url, option, value)
+        assert done.exit_code == 2 and "must be more than 60 seconds" in done.output, done.output
+    short = tmp_path / "slack-secret"
+    short.write_text("0123456789abcde\n")  # 15 characters
+    done = cli(url, "--slack-signing-secret-file", str(short))
+    assert done.exit_code == 2 and "Slack's are 32 hex characters" in done.output
+    assert "more than 60 s" in cli(url, "--help").output
 
 
 def test_a_busy_port_is_one_clear_error(url: str) -> None:

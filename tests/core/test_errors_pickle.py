@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import pickletools
 from typing import Any
 
 import pytest
@@ -90,6 +91,23 @@ def test_every_public_error_pickles(cls: type[BaseException]) -> None:
     error.__notes__ = ["a note"]  # type: ignore[attr-defined]
     for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
         _same(error, pickle.loads(pickle.dumps(error, protocol)))
+
+
+@pytest.mark.parametrize("cls", _public_errors(), ids=lambda cls: cls.__name__)
+def test_a_pickled_error_names_the_module_every_release_has(cls: type[BaseException]) -> None:
+    # Workers of the previous release unpickle what this one sends (Celery results): a
+    # pickle naming a module that release lacks (crewai_idempotent._error_base, where
+    # the base error now lives) could not be read there.
+    named = {
+        arg
+        for op, arg, _ in pickletools.genops(pickle.dumps(_build(cls), protocol=2))
+        if op.name == "GLOBAL" and isinstance(arg, str) and arg.startswith("crewai_idempotent")
+    }
+    assert f"{cls.__module__} {cls.__name__}" in named
+    assert {m.split(" ")[0] for m in named} <= {
+        "crewai_idempotent._errors",
+        "crewai_idempotent.ledger._record",  # the Record an error carries
+    }
 
 
 def test_unsupported_crewai_version_pickles() -> None:

@@ -46,7 +46,7 @@ ONCE = {
     "arguments": _keying.Target.arguments.__code__,
     "settings_for": _config.settings_for.__code__,
     "resolve": _config._resolve.__code__,
-    "gate_rules": _gates.gate_rules.__code__,
+    "gate_rules": _config.gate_rules.__code__,
     "plan": _gates.GateRules.plan.__code__,
     "task_key": _guard._task_key.__code__,
     "execution_uuid": _compat.execution_uuid.__code__,

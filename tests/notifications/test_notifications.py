@@ -278,9 +278,15 @@ def test_a_put_with_a_dedupe_after_its_delivery_is_not_sent_again(receiver: Rece
         ("pager+https://x.example.com", "unknown notification channel 'pager'"),
         ("webhook+https://x.example.com/h", "exactly one of #secret_env"),
         ("webhook+https://x.example.com/h#secret_env=NOT_SET_ANYWHERE", "not set"),
-        ("webhook+http://x.example.com/h#secret=whsec_c2VjcmV0", "https://"),
-        ("webhook+https://x.example.com/h#secret=whsec_c2VjcmV0&colour=red", "'colour'"),
-        ("webhook+https://x.example.com/h#secret=!!notbase64!!", "not usable"),
+        (
+            "webhook+http://x.example.com/h#secret=whsec_c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0",
+            "https://",
+        ),
+        (
+            "webhook+https://x.example.com/h#secret=whsec_c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0&colour=red",
+            "'colour'",
+        ),
+        ("webhook+https://x.example.com/h#secret=!!notbase64!!", "not a Standard Webhooks secret"),
         ("slack+ftp://hooks.slack.com/services/x", "https://"),
         ("slack+https://hooks.slack.com/services/x#buttons=maybe", "true or false"),
         ("slack+https://hooks.slack.com/services/x#timeout_s=-1", "more than 0"),
@@ -296,7 +302,9 @@ def test_a_channel_that_cannot_work_is_refused_where_it_is_named(url: str, says:
 
 
 def test_a_channel_shows_no_secret(tmp_path: Path) -> None:
-    hook = channel_from_url("webhook+https://u:pw@x.example.com/h?token=t#secret=whsec_c2VjcmV0")
+    hook = channel_from_url(
+        "webhook+https://u:pw@x.example.com/h?token=t#secret=whsec_c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0"
+    )
     slack = channel_from_url("slack+https://hooks.slack.com/services/T1/B2/SECRET")
     assert hook.url == "webhook+https://x.example.com/…" and "pw" not in repr(hook)
     assert slack.url == "slack+https://hooks.slack.com/…" and "SECRET" not in repr(slack)
@@ -310,7 +318,9 @@ def test_a_dispatcher_without_channels_or_with_a_short_lease_is_refused() -> Non
     backend = InMemoryCacheBackend()
     with pytest.raises(ValueError, match="at least one channel"):
         Dispatcher(backend, [])
-    hook = "webhook+https://x.example.com/h#secret=whsec_c2VjcmV0&timeout_s=20"
+    hook = (
+        "webhook+https://x.example.com/h#secret=whsec_c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0&timeout_s=20"
+    )
     with pytest.raises(ValueError, match="lease_s=10"):
         Dispatcher(backend, [hook], lease_s=10)
 
@@ -318,7 +328,7 @@ def test_a_dispatcher_without_channels_or_with_a_short_lease_is_refused() -> Non
 def test_one_setting_may_hold_several_channels() -> None:
     from crewai_idempotent.notifications import channels_from
 
-    hook = "webhook+https://x.example.com/h#secret=whsec_c2VjcmV0&types=approval.*,record.*"
+    hook = "webhook+https://x.example.com/h#secret=whsec_c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0&types=approval.*,record.*"
     found = channels_from(f"{hook}, slack+https://hooks.slack.com/services/x apprise+json://h")
     assert [c.scheme for c in found] == ["webhook", "slack", "apprise"]
     assert found[0].types == ("approval.*", "record.*")  # the comma inside it stays

@@ -61,9 +61,10 @@ def test_the_map_parser_sees_nesting() -> None:
 
 
 def _module_imports() -> dict[str, set[str]]:
-    """Each module's imports of the package's own modules made when it loads: the
-    top-level statements, without `if TYPE_CHECKING:` blocks and without the imports
-    functions make when they run (which are deliberate: loading on first use)."""
+    """Each module's imports of the package's own modules, wherever they are written: at
+    the top, inside a function (loaded on first use) and under `if TYPE_CHECKING:` (for
+    the annotations). Each is a dependency: a circle through a lazy or a type-only import
+    is a circle all the same."""
     graph: dict[str, set[str]] = {}
     for rel in package_paths():
         path = ROOT / rel
@@ -71,9 +72,7 @@ def _module_imports() -> dict[str, set[str]]:
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         package = ".".join(parts[:-1])
         found: set[str] = set()
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name.startswith(PACKAGE)}
             elif isinstance(node, ast.ImportFrom):
@@ -85,34 +84,81 @@ def _module_imports() -> dict[str, set[str]]:
                     continue
                 for alias in node.names:
                     candidate = f"{base}.{alias.name}"
-                    known = (ROOT / (candidate.replace(".", "/") + ".py")).exists()
+                    where = ROOT / candidate.replace(".", "/")
+                    known = where.with_suffix(".py").exists() or (where / "__init__.py").exists()
                     found.add(candidate if known else base)
         graph[module] = {m for m in found if m != module}
     return graph
 
 
-def _circle(graph: dict[str, set[str]]) -> list[str] | None:
-    """An import circle in `graph`, as the path that closes it, or None."""
-    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle in `graph`: one per group of modules that reach each other
+    (a strongly connected component), each as the shortest path that closes on the
+    group's first module (`_groups` has every member)."""
+    return sorted(_closing_path(graph, group) for group in _groups(graph))
 
-    def visit(module: str, path: list[str]) -> list[str] | None:
-        seen[module] = 1
+
+def _groups(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The groups of two or more modules that each reach all the others."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        order[module] = low[module] = len(order)
+        stack.append(module)
         for imported in sorted(graph.get(module, ())):
-            if seen.get(imported) == 1:
-                return [*path[path.index(imported) :], imported]
-            if imported not in seen:
-                found = visit(imported, [*path, imported])
-                if found:
-                    return found
-        seen[module] = 2
-        return None
+            if imported not in order:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], order[imported])
+        if low[module] == order[module]:
+            group = set()
+            while True:
+                member = stack.pop()
+                group.add(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(group)
 
     for module in sorted(graph):
-        if module not in seen:
-            found = visit(module, [module])
-            if found:
-                return found
-    return None
+        if module not in order:
+            visit(module)
+    return groups
+
+
+def _closing_path(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """The shortest path inside `group` from its first module back to itself."""
+    start = min(group)
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        module = todo.pop(0)
+        for imported in sorted(graph.get(module, set()) & group):
+            if imported == start:
+                return [*paths[module], start]
+            if imported not in paths:
+                paths[imported] = [*paths[module], imported]
+                todo.append(imported)
+    raise AssertionError(f"{sorted(group)} is not a circle")
+
+
+def test_the_circle_finder_finds_every_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": {"d", "a"}, "f": {"a"}}
+    assert _circles(graph) == [["a", "b", "c", "a"], ["d", "e", "d"]]
+    assert sorted(map(sorted, _groups(graph))) == [["a", "b", "c"], ["d", "e"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_lazy_and_type_only_imports_are_edges() -> None:
+    graph = _module_imports()
+    # Inside a function: a process whose ledger is a URL never loads the SQLite store.
+    assert f"{PACKAGE}.backends.sqlite" in graph[f"{PACKAGE}.integration._ledgers"]
+    # Under `if TYPE_CHECKING:`: a name the package loads on first use.
+    assert f"{PACKAGE}.integration._wrap" in graph[f"{PACKAGE}.integration"]
 
 
 def test_no_module_imports_one_that_imports_it() -> None:
@@ -122,8 +168,12 @@ def test_no_module_imports_one_that_imports_it() -> None:
     assert f"{PACKAGE}.ledger._steps" in graph[f"{PACKAGE}.integration._guard"]
     assert f"{PACKAGE}.integration._keying" in graph[f"{PACKAGE}.integration._guard"]
     assert f"{PACKAGE}.ledger._machine" in graph[f"{PACKAGE}.ledger._ledger"]
-    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _circle(graph) is None, f"import circle: {' -> '.join(_circle(graph) or [])}"
+    found = [
+        " -> ".join(_closing_path(graph, group))
+        + (f"  (all of {sorted(group)} reach each other)" if len(group) > 2 else "")
+        for group in sorted(_groups(graph), key=min)
+    ]
+    assert not found, "import circles:\n" + "\n".join(found)
 
 
 def test_the_ledger_drives_the_gates_without_importing_them() -> None:

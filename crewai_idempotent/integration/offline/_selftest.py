@@ -8,12 +8,14 @@ charged once per distinct invoice, the receipts are in the crew's ledger (not th
 default), and an uncertain outcome stopped the kickoff. tests/crewai/test_crewai_paths.py runs
 the same checks in the suite, on every release of the matrix.
 
-The doctor, and a release verifying itself (`_verify`), run them in a fresh interpreter
-(`run_in_subprocess`, beside `main`, which speaks the same line protocol: the checks that
-apply first, then one line per check as it finishes): crewai is imported inside the
-checks only, so the doctor's side of this module costs no crewai import. The checks, the
-scripted answers they give and both ends of the line protocol are together because they
-are read together when a check fails on a new crewai release.
+The doctor, and a release verifying itself (`_verify`), run them in a fresh interpreter:
+`_selftest_process.run_in_subprocess` starts `main` here, which speaks the line protocol
+that module reads (the checks that apply first, then one line per check as it finishes).
+That end lives there, beneath the integration, so that the release gate's runner and the
+doctor start the self-test without importing it: this module installs the integration,
+and nothing of the package imports this module. The checks and the scripted answers
+they give are together because they are read together when a check fails on a new crewai
+release.
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ import contextlib
 import importlib
 import json
 import logging
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,10 +39,9 @@ from ..._errors import OutcomeUncertain, OutcomeUnknown
 from ...backends.sqlite import SQLiteCacheBackend
 from ...ledger._backend import DOCUMENTS
 from ...notifications._outbox import OUTBOX
-from .. import URL_ENV, configure, install
-from .._compat import ALLOW_UNTESTED_ENV
-from ._scripted import OFFLINE as _OFFLINE
+from .. import configure, install
 from ._scripted import current_attempt, scripted_model, tool_call
+from ._selftest_process import MARK
 
 PATHS = ("react", "native", "parallel native", "agent", "flow", "async")
 SOURCES = ("guardrail", "agent retry", "repeated call", "new kickoff", "uncertain")
@@ -392,79 +390,7 @@ def run_all(
     return results
 
 
-# -- the doctor's side -----------------------------------------------------------------
-
-OFFLINE = {**_OFFLINE, "CREWAI_TESTING": "true", "OPENAI_API_KEY": "sk-self-test-not-used"}
-_MARK = "crewai-idempotent-self-test: "
-
-
-def run_in_subprocess(
-    timeout_s: float = 600.0,
-    *,
-    on_plan: Callable[[str, list[str]], None] | None = None,
-    on_result: Callable[[dict[str, Any]], None] | None = None,
-) -> tuple[str, list[dict[str, Any]], str]:
-    """Run every check in a fresh interpreter, the full guard installed whatever the
-    crewai release (that is the point): (crewai version, results, its stderr tail).
-
-    `on_plan(version, labels)` is called once the interpreter knows which checks apply, and
-    `on_result(result)` as each check finishes, so a caller can show progress.
-    `subprocess.TimeoutExpired` if it runs past `timeout_s` (it is killed then)."""
-    env = {**os.environ, **OFFLINE, ALLOW_UNTESTED_ENV: "1"}
-    env.pop(URL_ENV, None)
-    command = [sys.executable, "-m", "crewai_idempotent.integration.offline._selftest"]
-    version = "unknown"
-    results: list[dict[str, Any]] = []
-    with (
-        tempfile.TemporaryDirectory(prefix="crewai-idempotent-self-test-") as home,
-        tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as errors,
-    ):
-        env["XDG_DATA_HOME"] = home  # crewai's storage folder: nothing of the user's is touched
-        process = subprocess.Popen(
-            command,
-            env=env,
-            cwd=home,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=errors,  # a file, not a pipe: nobody reads it until the end
-            text=True,
-            encoding="utf-8",
-            errors="replace",
-        )
-        expired = threading.Event()
-
-        def expire() -> None:
-            expired.set()
-            process.kill()
-
-        timer = threading.Timer(timeout_s, expire)
-        timer.daemon = True
-        timer.start()
-        try:
-            assert process.stdout is not None
-            for line in process.stdout:
-                if not line.startswith(_MARK):
-                    continue
-                record = json.loads(line.removeprefix(_MARK))
-                if "crewai" in record:
-                    version = record["crewai"]
-                    if on_plan is not None:
-                        on_plan(version, list(record.get("checks", [])))
-                else:
-                    results.append(record)
-                    if on_result is not None:
-                        on_result(record)
-            process.wait()
-        finally:
-            timer.cancel()
-            if process.poll() is None:  # interrupted (^C) or a callback raised
-                process.kill()
-                process.wait()
-        if expired.is_set():
-            raise subprocess.TimeoutExpired(command, timeout_s)
-        errors.seek(0)
-        tail = errors.read()[-2000:] if process.returncode else ""
-    return version, results, tail
+# -- the child's end of the line protocol -----------------------------------------------
 
 
 def main() -> int:
@@ -473,7 +399,7 @@ def main() -> int:
 
     selected = checks()
     plan = {"crewai": str(crewai.__version__), "checks": [c.label for c in selected]}
-    print(_MARK + json.dumps(plan), flush=True)
+    print(MARK + json.dumps(plan), flush=True)
     failed = 0
     for result in run_all(selected, each=_report):
         failed += not result.passed
@@ -487,7 +413,7 @@ def _report(result: Result) -> None:
         "detail": result.detail,
         "seconds": round(result.seconds, 3),
     }
-    print(_MARK + json.dumps(record), flush=True)
+    print(MARK + json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":
