@@ -138,6 +138,7 @@ def _result(out: str) -> dict[str, Any]:
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
+@pytest.mark.slow  # two fresh interpreters importing crewai
 def test_a_flow_resumed_after_sigkill_does_not_charge_again(tmp_path: Path) -> None:
     ledger = tmp_path / "ledger.db"
     env = subprocess_env(
