@@ -65,7 +65,12 @@ _SHOWN = {
     "first. Repeatable.",
 )
 @click.option(
-    "--tool", "tools", multiple=True, metavar="NAME", help="Only records of this tool. Repeatable."
+    "--tool",
+    "tools",
+    multiple=True,
+    metavar="NAME",
+    help="Only records of this tool: the name its claims record, or the key's prefix before "
+    "the first ':'. Repeatable.",
 )
 @click.option("--key", "keys", multiple=True, metavar="KEY", help="Only this key. Repeatable.")
 @click.option(

@@ -137,3 +137,34 @@ def _abandon_event_scopes(open_scope: str | None) -> None:
 
     while get_current_parent_id() not in (None, open_scope):
         pop_event_scope()
+
+
+# -- the flow a call runs in -----------------------------------------------------------
+
+# The crewAI Flow whose method is running, set around each method (`in_flow`, installed
+# on Flow._execute_method), so a key can name the flow's persisted state (`{flow}`).
+# crewai's own `current_flow_id` is set before a resumed flow's state id is restored from
+# `kickoff(inputs={"id": ...})`, so it names a fresh id on every resume; the state's id,
+# read when the key is derived, is the one `@persist` saves under.
+flow: ContextVar[Any] = ContextVar("crewai_idempotent_flow", default=None)
+
+
+def in_flow(execute: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """`Flow._execute_method` (async on every supported release) with the flow set as
+    the one its method runs in; a sync method's thread copies the context after this.
+
+    The outermost flow of the user's is the one: a resume of it runs the flows inside it
+    again under new ids. crewai's own flows (its flow-based agent executor, memory
+    recall) are machinery inside a crew, never the flow a key means."""
+
+    async def execute_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if flow.get() is not None or type(self).__module__.partition(".")[0] == "crewai":
+            return await execute(self, *args, **kwargs)
+        token = flow.set(self)
+        try:
+            return await execute(self, *args, **kwargs)
+        finally:
+            flow.reset(token)
+
+    execute_method.__wrapped__ = execute  # type: ignore[attr-defined]
+    return execute_method

@@ -44,7 +44,7 @@ from . import _compat, _gates, _release, approval_events
 from ._call import KEY_PARAMETER, Scope, crews, halting
 from ._call import scope as _scope
 from ._config import IdempotencyConfig, Settings, ToolOptions, settings_for
-from ._keying import KeyContext, Target, derive_key
+from ._keying import KeyContext, Target, derive_key, flow_id
 from ._stash import config_of
 from .events import (
     IdempotencyClaimEvent,
@@ -218,7 +218,7 @@ def _prepare(
     else:
         where = _where(scope, crew)
         ctx = KeyContext(tool=name, crew=where[0], task=where[1], kickoff=where[2],
-                         fingerprint=digest)  # fmt: skip
+                         fingerprint=digest, flow=flow_id())  # fmt: skip
         key = derive_key(settings.idempotency_key, arguments, ctx)
     if key in _running.get():
         return None  # a guard inside the same operation (a subclass calling super()._run)

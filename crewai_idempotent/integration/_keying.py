@@ -11,7 +11,7 @@ from typing import Any
 
 from .._errors import InvalidIdempotencyKey
 from ..ledger._keys import validate_key
-from ._call import KEY_PARAMETER
+from ._call import KEY_PARAMETER, flow
 
 _NO_DEFAULT: Any = inspect.Parameter.empty
 _PLAIN_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -81,8 +81,19 @@ class Target:
         return found
 
 
+def flow_id() -> str | None:
+    """The id of the flow state the running flow method works on (`flow.state.id`: what
+    `@persist` saves under and `kickoff(inputs={"id": ...})` resumes), or None outside a
+    flow's method."""
+    running = flow.get()
+    if running is None:
+        return None
+    state_id = getattr(running, "flow_id", "")  # crewai: "" for a state without an id
+    return str(state_id) if state_id else None
+
+
 # Template fields that name where the call runs rather than one of its arguments.
-CONTEXT_FIELDS = ("tool", "crew", "task", "kickoff", "fingerprint")
+CONTEXT_FIELDS = ("tool", "crew", "task", "kickoff", "fingerprint", "flow")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +108,10 @@ class KeyContext:
       outside a task.
     - `kickoff`: crewai's execution id, new for every kickoff; None outside one.
     - `fingerprint`: SHA-256 of the tool name and all its validated arguments.
+    - `flow`: the id of the crewAI Flow state the call's flow method works on
+      (`flow.state.id`): the same on every resume of one flow
+      (`kickoff(inputs={"id": ...})`, what `@persist` saves under), another for another
+      flow; None outside a flow's method.
     """
 
     tool: str
@@ -104,10 +119,18 @@ class KeyContext:
     task: str | None
     kickoff: str | None
     fingerprint: str
+    flow: str | None = None
 
     def field(self, name: str) -> str:
         value = getattr(self, name)
         if value is None:
+            if name == "flow":
+                raise InvalidIdempotencyKey(
+                    f"tool {self.tool!r}: its idempotency key uses {{flow}}, the id of the "
+                    "crewAI Flow state the call runs in, but this call does not run inside a "
+                    "flow's method (a crew kicked off on its own, or a direct call?); "
+                    "nothing was run"
+                )
             where = {"crew": "a crew", "task": "a task", "kickoff": "a kickoff"}[name]
             raise InvalidIdempotencyKey(
                 f"tool {self.tool!r}: its idempotency key uses {{{name}}}, but this call "

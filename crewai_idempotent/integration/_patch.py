@@ -249,6 +249,15 @@ def _install() -> None:
     _set(Agent, "kickoff_async", _aboundary(Agent.kickoff_async, _agent_scope))
     when_imported(_LITE_AGENT, _patch_lite_agent)
 
+    # The flow a tool call runs in, for `{flow}` keys. `_execute_method` is where every
+    # supported release runs a flow's method; Flow moved to a runtime base in 1.14.7. A
+    # release without it leaves `{flow}` unset: such keys refuse to run, nothing guesses.
+    from crewai.flow.flow import Flow
+
+    flows = next((c for c in Flow.__mro__ if "_execute_method" in c.__dict__), None)
+    if flows is not None:
+        _set(flows, "_execute_method", _call.in_flow(flows.__dict__["_execute_method"]))
+
     # What differs between the supported releases (kickoff ids, context in threads...).
     _compat.install(_set)
 

@@ -565,13 +565,18 @@ class Ledger(_Machine):
     ) -> _Options:
         """The options of every call made with these settings, checked once (None: this
         ledger's own); a call fills in its fingerprint and arguments (`_Options.of_call`).
-        `tool`: the tool's name, recorded with the claims of a tool that has a reconciler."""
+        `tool`: the tool's name, recorded with every claim (with the receipt's ttl), so that
+        a sweeper finds a reconciler registered for the tool by its name; the arguments
+        are recorded only for a tool that has a reconciler of its own."""
         ttl_or_own = _MISSING if ttl is None else ttl
         options = self._options("", None, wait_s, lease_s, ttl_or_own, reconcile, on_stale)
         if reconcile_timeout_s is not None:
             options.reconcile_timeout_s = _bound(reconcile_timeout_s)
-        if tool is not None and options.call is not None:
-            options.call = {"tool": tool, **options.call}
+        if tool is not None:
+            # One dict for every claim of a tool without a reconciler: records never
+            # change what they hold, and the claim path builds nothing more for it.
+            recorded = options.call if options.call is not None else {"ttl": options.ttl}
+            options.call = {"tool": tool, **recorded}
         return options
 
     def _unrecorded(self, claim: _Claim, value: Any) -> Outcome[Any]:

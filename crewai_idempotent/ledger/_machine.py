@@ -758,6 +758,9 @@ class _Machine:
 
 
 def _call(o: _Options) -> dict[str, Any] | None:
-    """What a claim records for a reconciler asked from another process, if it has one."""
+    """What a claim records for a reconciler asked from another process: the tool's name
+    (every tool's claims), and the arguments only when the tool has a reconciler."""
     call = o.call
-    return None if call is None else {**call, "args": encode(o.args)}
+    if call is None or o.reconcile is None:
+        return call
+    return {**call, "args": encode(o.args)}

@@ -95,8 +95,9 @@ class _Options:
     reconcile: Reconciler | None
     on_stale: StalePolicy
     reconcile_timeout_s: float | None = None  # None: the reconciler is waited for without bound
-    # With a reconciler: what a claim records for one asked from another process (the
-    # tool, the reconciler's import path, the ttl); the claim adds the arguments.
+    # What a claim records for a reconciler asked from another process: the tool's name
+    # and the ttl (every tool's claims), the reconciler's import path; the claim adds the
+    # arguments when the call has a reconciler (`reconcile`).
     call: dict[str, Any] | None = None
 
     def of_call(self, fingerprint: str, args: Any) -> _Options:

@@ -137,9 +137,10 @@ class Record:
     # older readers see. `lease_expires_at` on `running()`, `expires_at` on `elapsed()`.
     host_lease: HostDeadline | None = None
     host_expires: HostDeadline | None = None
-    # What a reconciler in another process needs to ask about the call (written with the
-    # claim of a call that has a reconciler): the tool's name, the reconciler's import
-    # path, the receipt's ttl and the call's arguments, encoded as a receipt is. Kept while
+    # What a reconciler in another process needs to ask about the call: the tool's name
+    # and the receipt's ttl (written with every claim of a crewAI tool), the reconciler's
+    # import path and the call's arguments, encoded as a receipt is (only with the claim
+    # of a call that has a reconciler: a claim without "args" recorded none). Kept while
     # the outcome is open; a write that settles the record (COMMITTED, FAILED) drops it.
     call: dict[str, Any] | None = None
     # A sweeper asking the record's reconciler: (who, until, on the store's clock). Other

@@ -3,8 +3,10 @@
 A sweeper reads a record and must ask the reconciler of the tool that made it. It looks,
 in order:
 
-1. by tool name (the record's `call["tool"]`, else the key's prefix before the first `:`,
-   which the default keys and most templates start with) among what this process was
+1. by tool name (the record's `call["tool"]`, which every claim of a crewAI tool records;
+   for a claim that does not, as older releases' claims of a tool without a reconciler,
+   the key's prefix before the first `:`, which the default keys and most templates
+   start with) among what this process was
    told: `reconcilers=` given to the sweeper, `register()` / `@reconciles(...)` in a
    module it imported, the entry point group `crewai_idempotent.reconcilers` (name: the
    tool, value: `module:attribute`), and the tools built in this process;
@@ -103,10 +105,20 @@ def _callable(reconciler: Any, where: str) -> Reconciler:
 def tool_of(record: Record) -> str | None:
     """The name of the tool whose call made `record`: as its claim recorded it, else
     the key's prefix before the first `:` (the default keys are `tool:fingerprint`)."""
-    call = record.call or {}
-    tool = call.get("tool")
-    if isinstance(tool, str) and tool:
-        return tool
+    return recorded_tool(record) or key_prefix(record)
+
+
+def recorded_tool(record: Record) -> str | None:
+    """The tool's name as the claim recorded it. A claim of this release's crewAI tools
+    records it always; an older release's recorded it only for a tool with a reconciler
+    of its own, and a claim made without crewAI (`Ledger.run`) never does."""
+    tool = (record.call or {}).get("tool")
+    return tool if isinstance(tool, str) and tool else None
+
+
+def key_prefix(record: Record) -> str | None:
+    """The key's prefix before its first `:`, which the default keys (`tool:fingerprint`)
+    and most templates start with; None for a key without one."""
     prefix, colon, _ = record.key.partition(":")
     return prefix if colon and prefix else None
 
@@ -162,12 +174,7 @@ class Finder:
             found = self.given[ANY]
             return _sync_or_async(found), _describe(found, "given to the sweeper for any tool")
         if path is None:
-            named_as = f"tool {tool!r}" if tool else "this key (no tool name)"
-            return None, (
-                f"no reconciler for {named_as} in this sweeper: register one for the tool "
-                f"(--import MODULE, the {GROUP!r} entry points) or name it by import path "
-                "on the tool"
-            )
+            return None, _none_for(record, tool)
         if not self._trusts(path):
             return None, (
                 f"its tool names the reconciler {path}, which this sweeper does not import: "
@@ -186,6 +193,24 @@ class Finder:
     def _trusts(self, path: str) -> bool:
         module = path.partition(":")[0]
         return any(module == root or module.startswith(root + ".") for root in self.trusted)
+
+
+def _none_for(record: Record, tool: str | None) -> str:
+    """Why a record has no reconciler here, and what to add."""
+    where = f"(--import MODULE, the {GROUP!r} entry points) or name it by import path on the tool"
+    if tool is None:
+        return (
+            "no reconciler for this key in this sweeper: its claim does not record the tool's "
+            "name (a claim by an older release, or made without crewAI) and the key has no "
+            f"'tool:' prefix: give the sweeper reconcilers={{{ANY!r}: ...}}, or resolve it by hand"
+        )
+    if recorded_tool(record) is None:
+        return (
+            f"no reconciler for tool {tool!r} in this sweeper: its claim does not record the "
+            f"tool's name (a claim by an older release, or made without crewAI), so {tool!r} is "
+            f"its key's prefix: register one for {tool!r} {where}"
+        )
+    return f"no reconciler for tool {tool!r} in this sweeper: register one for the tool {where}"
 
 
 def _describe(reconciler: Any, label: str) -> str:

@@ -44,7 +44,7 @@ from ..ledger._results import decode
 from ..ledger._steps import Swept, _Ask
 from ..notifications import _incidents
 from ._alerts import Alert, AlertChannel, count_swept, default_channels, report_open, send_all
-from ._registry import Finder, Reconciler, _Blocking, tool_of
+from ._registry import Finder, Reconciler, _Blocking, key_prefix, tool_of
 
 log = logging.getLogger("crewai_idempotent.reconciliation")
 
@@ -317,7 +317,11 @@ class Sweeper:
         for record in found:
             if self.keys is not None and record.key not in self.keys:
                 continue
-            if self.tools is not None and tool_of(record) not in self.tools:
+            # A tool by its recorded name or by the key's prefix, which is what the filter
+            # matched before every claim recorded its tool's name (`ls --tool` matches it).
+            if self.tools is not None and not (
+                tool_of(record) in self.tools or key_prefix(record) in self.tools
+            ):
                 continue
             if record.status is Status.PENDING:
                 try:

@@ -47,7 +47,7 @@ def _fill(ledger: Ledger) -> None:
     uncertain(ledger, "pay:2", {"answer": "absent"})
     uncertain(ledger, "pay:3", {"answer": "unknown"})
     stale_claim(ledger.backend, "pay:4", {"answer": "found"})
-    uncertain(ledger, "mail:1", reconcile=lambda k, a: None)  # no path: nobody can ask
+    uncertain(ledger, "mail:1", reconcile=lambda k, a: None, tool="mail")  # no path: nobody asks
 
 
 def test_one_pass_says_what_came_of_every_record(ledger: Ledger, url: str) -> None:

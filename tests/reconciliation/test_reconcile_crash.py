@@ -7,7 +7,8 @@ before the charge. Once their leases lapse, `crewai-idempotent reconcile` in a p
 its own, told only to import the module whose verifier the tool names by path, finds the
 first charge by its metadata and commits the real PaymentIntent id, and marks the second
 absent. A fresh crew run then replays the first and charges the second: one charge each,
-counted by the fake Stripe server.
+counted by the fake Stripe server. A tool that names no reconciler is settled the same way
+by one registered for it by the tool's name in the module the sweeper imports.
 """
 
 from __future__ import annotations
@@ -126,5 +127,65 @@ def test_a_sweeper_in_another_process_settles_a_killed_workers_charges(
             keys[paid]: ["claim", "reconcile"],
             keys[unpaid]: ["claim", "absent", "takeover", "commit"],
         }
+    finally:
+        ledger.close()
+
+
+def test_a_reconciler_registered_by_tool_name_settles_a_killed_workers_charge(
+    fake: FakeStripe, tmp_path: Path
+) -> None:
+    # The tool `charge_card` names no reconciler and its key starts with `charge:`, not
+    # with its name: the sweeper finds the one registered for `charge_card` because the
+    # dead worker's claim recorded the tool's name (docs/recovery.md, "How the sweeper
+    # finds a record's reconciler").
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = _env(url, fake, tmp_path)
+    run = {"amount": 700, "lease_s": LEASE_S, "tool": "charge_card", "key": "charge:{invoice}"}
+    run["reconcile"] = False
+    hold = tmp_path / "held"
+    worker = _crews([{**run, "invoice": "ord-1", "when": "after", "hold": str(hold)}], env)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not hold.exists() or not hold.read_text():
+            assert worker.poll() is None, worker.stderr.read()[-3000:] if worker.stderr else ""
+            assert time.monotonic() < deadline, "the worker never reached its tool call"
+            time.sleep(0.05)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(30)
+    assert worker.returncode == -signal.SIGKILL
+    intent = hold.read_text()
+    assert [c["id"] for c in fake.charged("charge:ord-1")] == [intent]
+
+    ledger = Ledger(backend_from_url(url))
+    try:
+        record = ledger.get("charge:ord-1")
+        assert record is not None and record.status is Status.PENDING
+        assert record.call == {"tool": "charge_card", "ttl": None}  # no reconciler: no args
+        wait_for(lambda: ledger.is_stale(ledger.get("charge:ord-1")), "the lease to lapse")  # type: ignore[arg-type]
+        sweep = subprocess.run(
+            [
+                PYTHON, "-m", "crewai_idempotent.cli", "--ledger", url, "reconcile",
+                "--import", "tests.support.crewai.stripe_by_name", "--no-entry-points", "--json",
+            ],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=STARTUP_TIMEOUT,
+        )  # fmt: skip
+        assert sweep.returncode == 0, sweep.stderr
+        (result,) = json.loads(sweep.stdout)["results"]
+        assert (result["outcome"], result["status"], result["tool"]) == (
+            "found", "COMMITTED", "charge_card",
+        ), result  # fmt: skip
+        committed = ledger.get("charge:ord-1")
+        assert committed is not None and committed.value() == intent
+
+        rerun = _crews([{**run, "invoice": "ord-1"}], env)
+        out, err = rerun.communicate(timeout=STARTUP_TIMEOUT)
+        assert rerun.returncode == 0, err[-3000:]
+        (again,) = map(json.loads, out.splitlines())
+        assert again.get("raw") == intent, again  # replayed, not charged again
+        assert len(fake.charged("charge:ord-1")) == 1
     finally:
         ledger.close()

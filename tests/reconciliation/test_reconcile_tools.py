@@ -1,7 +1,8 @@
 """A crewAI tool names its reconciler by import path, or gives a callable: its claims
 record what a sweeper in another process needs (the tool, the path, the arguments), a
-bad path is refused where the tool is built, and a sweeper in the process that built the
-tool finds its callable by the tool's name."""
+bad path is refused where the tool is built, a sweeper in the process that built the
+tool finds its callable by the tool's name, and one registered for a tool by its name is
+found for a tool that names none (its claims record the tool's name all the same)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any
 import pytest
 from crewai.tools import tool
 
-from crewai_idempotent import Found, OutcomeUncertain, OutcomeUnknown, Status, configure
+from crewai_idempotent import Absent, Found, OutcomeUncertain, OutcomeUnknown, Status, configure
 from crewai_idempotent.ledger._results import encode
-from crewai_idempotent.reconciliation import Sweeper
+from crewai_idempotent.reconciliation import Sweeper, register, unregister
+from tests.support.crewai.provider import FakeProvider
 
 pytest_plugins = ["tests.support.crewai.fixtures"]
 pytestmark = pytest.mark.usefixtures("isolated_crewai")
@@ -86,3 +88,44 @@ def test_a_bad_path_is_refused_where_the_tool_is_built(path: str, said: str) -> 
     with pytest.raises(ValueError) as refused:
         tool("charge_card", idempotent=True, reconcile=path)(_lost)
     assert said in str(refused.value)
+
+
+def test_a_reconciler_registered_by_tool_name_is_found_for_a_tool_with_none(
+    tmp_path: Path, charges: FakeProvider
+) -> None:
+    # docs/recovery.md: a sweeper finds a reconciler by the tool's name, which the claim
+    # records, whatever the key template says; the tool itself names no reconciler.
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    configure(backend=url)
+
+    def charge(order: str, amount: int) -> str:
+        """Charge `amount` for `order`; the provider's answer is lost."""
+        charges.charge(amount, "alice", invoice=order)
+        raise OutcomeUnknown("the provider did not answer")
+
+    charge_card = tool("charge_card", idempotent=True, idempotency_key="charge:{order}")(charge)
+    with pytest.raises(OutcomeUncertain):
+        charge_card.run(order="o-1", amount=5)
+    asked: list[tuple[str, Any]] = []
+
+    def find_charge(key: str, args: Any) -> Any:
+        asked.append((key, args))
+        effect = charges.find("charge", invoice=key.partition(":")[2])
+        return Found(effect["receipt"]) if effect else Absent()
+
+    register("charge_card", find_charge)
+    try:
+        with Sweeper(url, channels=[], entry_points=False) as sweeper:
+            record = sweeper.ledger.get("charge:o-1")
+            assert record is not None and record.status is Status.UNCERTAIN
+            # The tool's name and ttl, not its arguments: the tool has no reconciler.
+            assert record.call == {"tool": "charge_card", "ttl": None}
+            (result,) = sweeper.sweep().results
+    finally:
+        unregister("charge_card")
+    assert (result.outcome, result.tool) == ("found", "charge_card"), result.reason
+    assert asked == [("charge:o-1", None)]
+    receipt = charges.find("charge", invoice="o-1")
+    assert receipt is not None
+    assert charge_card.run(order="o-1", amount=5) == receipt["receipt"]  # replayed
+    assert charges.count() == 1

@@ -469,6 +469,76 @@ def test_a_sweeper_without_a_tool_name_uses_the_fallback(
     assert [(r.key, r.outcome) for r in report.results] == [("plainkey", "found")]
 
 
+def _claimed_by_an_older_release(backend: CacheBackend, key: str) -> Record:
+    """An UNCERTAIN record as the previous release stored it for a tool without a
+    reconciler: the document has no "call" at all, so it names no tool."""
+    now = backend.now()
+    owner = ["old-host", 4242, "old00001"]
+    doc = {
+        "v": 1, "key": key, "status": "UNCERTAIN", "fingerprint": "fp", "token": 1,
+        "revision": 2, "owner": owner, "attempts": 1, "created_at": now - 60,
+        "updated_at": now - 50, "lease_expires_at": None, "expires_at": None, "result": None,
+        "error": "the tool reported an unknown outcome: lost", "needs_operator": False,
+        "evidence": [],
+        "history": [
+            [now - 60, "claim", 1, "old-host:4242:old00001", ""],
+            [now - 50, "uncertain", 1, "old-host:4242:old00001", "lost"],
+        ],
+    }  # fmt: skip
+    record = Record.from_json(json.dumps(doc))
+    assert record.call is None
+    assert backend.insert(record) is None
+    return record
+
+
+def test_an_older_claim_without_a_tool_name_is_left_with_what_to_register(
+    sweeper_of: Callable[..., Sweeper],
+) -> None:
+    backend = InMemoryCacheBackend()
+    ledger = Ledger(backend)
+    _claimed_by_an_older_release(backend, "charge:o-7")
+    _claimed_by_an_older_release(backend, "plainkey")
+    register("charge_card", lambda key, args: Found("by name"))
+    try:
+        results = {r.key: r for r in sweeper_of(ledger).sweep().results}
+    finally:
+        unregister("charge_card")
+    assert {k: (r.outcome, r.tool) for k, r in results.items()} == {
+        "charge:o-7": ("left", "charge"), "plainkey": ("left", None),
+    }  # fmt: skip
+    assert results["charge:o-7"].reason == (
+        "no reconciler for tool 'charge' in this sweeper: its claim does not record the "
+        "tool's name (a claim by an older release, or made without crewAI), so 'charge' is "
+        "its key's prefix: register one for 'charge' (--import MODULE, the "
+        "'crewai_idempotent.reconcilers' entry points) or name it by import path on the tool"
+    )
+    assert results["plainkey"].reason.startswith(
+        "no reconciler for this key in this sweeper: its claim does not record the tool's name"
+    )
+    assert "reconcilers={'*': ...}" in results["plainkey"].reason
+    # What the message says to do settles it: a reconciler for the key's prefix.
+    report = sweeper_of(ledger, reconcilers={"charge": lambda key, args: Found("by prefix")})
+    assert [(r.key, r.outcome) for r in report.sweep().results if r.key != "plainkey"] == [
+        ("charge:o-7", "found")
+    ]
+    settled = backend.get("charge:o-7")
+    assert settled is not None and settled.value() == "by prefix"
+
+
+@pytest.mark.parametrize("backend_kind", ["memory"])
+def test_tool_narrows_by_the_recorded_name_or_the_key_prefix(
+    backend: CacheBackend, sweeper_of: Callable[..., Sweeper]
+) -> None:
+    ledger = Ledger(backend)
+    uncertain(ledger, "charge:o-1", tool="charge_card")  # the name its claim records
+    _claimed_by_an_older_release(backend, "charge:o-2")  # the key's prefix only
+    uncertain(ledger, "mail:m-1", tool="send_mail")
+    for tools in (["charge_card"], ["charge"]):
+        report = sweeper_of(ledger, tools=tools, dry_run=True).sweep()
+        expected = ["charge:o-1"] if tools == ["charge_card"] else ["charge:o-1", "charge:o-2"]
+        assert sorted(r.key for r in report.results) == expected, tools
+
+
 def test_an_async_reconciler_serves_both_drivers(sweeper_of: Callable[..., Sweeper]) -> None:
     backend = InMemoryCacheBackend()
     ledger = Ledger(backend)

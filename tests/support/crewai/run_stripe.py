@@ -2,11 +2,13 @@
 
 SPEC, its one argument, is JSON: {"runs": [run, ...]}; each run is a dict with invoice,
 amount, native (bool), lease_s, and optionally hold (a path) and when ("before" or
-"after" the charge: the tool writes `hold` there and sleeps, to be killed). The tool
-names its reconciler by import path (`stripe_tools.PATH`), so its claims record it for a
-sweeper in another process. Runs with `hold` start together in threads; the others run
-one after another, one JSON line each with the kickoff's output or its exception. The
-ledger comes from CREWAI_IDEMPOTENCY_URL, the fake Stripe server from FAKE_STRIPE_URL.
+"after" the charge: the tool writes `hold` there and sleeps, to be killed), tool (its
+name, "pay_invoice"), key (its template, "pay:{invoice}") and reconcile (false: the tool
+names no reconciler). By default the tool names its reconciler by import path
+(`stripe_tools.PATH`), so its claims record it for a sweeper in another process. Runs
+with `hold` start together in threads; the others run one after another, one JSON line
+each with the kickoff's output or its exception. The ledger comes from
+CREWAI_IDEMPOTENCY_URL, the fake Stripe server from FAKE_STRIPE_URL.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from .stripe_tools import PATH, pay
 
 
 def _tool(run: dict[str, Any]) -> Any:
+    options: dict[str, Any] = {"reconcile": PATH} if run.get("reconcile", True) else {}
+
     @tool(
-        "pay_invoice", idempotent=True, idempotency_key="pay:{invoice}", reconcile=PATH,
-        lease_s=run["lease_s"], wait_s=5,
+        run.get("tool", "pay_invoice"), idempotent=True,
+        idempotency_key=run.get("key", "pay:{invoice}"), lease_s=run["lease_s"], wait_s=5,
+        **options,
     )  # fmt: skip
     def pay_invoice(invoice: str, amount: int, idempotency_key: str = "") -> str:
         """Charge `amount` (cents) for `invoice` through Stripe. Returns the PaymentIntent id."""
@@ -36,7 +41,7 @@ def _tool(run: dict[str, Any]) -> Any:
 
 def run_one(run: dict[str, Any]) -> dict[str, Any]:
     args = {"invoice": run["invoice"], "amount": run["amount"]}
-    llm = scripted(run.get("native", False), [("pay_invoice", args)])
+    llm = scripted(run.get("native", False), [(run.get("tool", "pay_invoice"), args)])
     crew, _ = payment_crew([_tool(run)], llm, description=f"Pay invoice {run['invoice']}.")
     result: dict[str, Any] = {"invoice": run["invoice"]}
     try:
