@@ -249,7 +249,9 @@ def show(where: Where, key: str, as_json: bool) -> None:
     call = record.call or {}
     if call:  # what a sweeper asks with (`crewai-idempotent reconcile`)
         said = [f"{k} {call[k]}" for k in ("tool", "reconciler") if call.get(k)]
-        rows.append(("reconcile", safe(", ".join([*said, "arguments recorded"]), lines=False)))
+        # A tool without a reconciler of its own records its name, not its arguments.
+        recorded = ["arguments recorded"] if "args" in call else []
+        rows.append(("reconcile", safe(", ".join([*said, *recorded]), lines=False)))
     if record.reconciling is not None and record.reconciling[1] > now:
         rows.append(("being asked", safe(f"by {record.reconciling[0]}", lines=False)))
     for name, value in rows:

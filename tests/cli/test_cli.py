@@ -933,3 +933,17 @@ def test_a_misspelt_option_is_named_before_the_ledger_is_looked_for(
     assert result.exit_code == 2, result.output
     assert "unknown option 'synchronus'" in result.output
     assert not target.exists()
+
+
+def test_show_says_arguments_are_recorded_only_where_they_are(ledger: Ledger, url: str) -> None:
+    """Every crewAI tool's claim records the tool's name; only a tool with a reconciler of
+    its own records its arguments too, and `show` says which."""
+    named = _pending(ledger, "charge:named", lease_left_s=600)
+    assert ledger.backend.replace(named, named.evolve(None, call={"tool": "charge_card"}))
+    shown = cli(url, "show", "charge:named")
+    assert shown.exit_code == 0, shown.output
+    assert "tool charge_card" in shown.output and "arguments recorded" not in shown.output
+    both = _pending(ledger, "charge:both", lease_left_s=600)
+    call = {"tool": "charge_card", "reconciler": "shop:verify", "args": {"order": "o1"}}
+    assert ledger.backend.replace(both, both.evolve(None, call=call))
+    assert "arguments recorded" in cli(url, "show", "charge:both").output
