@@ -31,7 +31,11 @@ class Watcher:
         self.refresh_s = refresh_s
         self.version = ""
         self.listeners = 0
-        self._changed: asyncio.Condition | None = None
+        # Set (and replaced) when the digest moves. An event, not a Condition: a stream
+        # cancelled while waiting for a condition's lock (a page navigating away) could
+        # release a lock it no longer held, after which the lock stayed taken and no page
+        # heard of a change again. Waiting on an event holds nothing.
+        self._moved: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
 
     def _digest(self) -> str:
@@ -48,15 +52,15 @@ class Watcher:
         version = await asyncio.to_thread(self._digest)
         if version != self.version:
             self.version = version
-            condition = self._condition()
-            async with condition:
-                condition.notify_all()
+            moved, self._moved = self._next(), asyncio.Event()
+            moved.set()
         return version
 
-    def _condition(self) -> asyncio.Condition:
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        return self._changed
+    def _next(self) -> asyncio.Event:
+        """The event set at the next move of the digest."""
+        if self._moved is None:
+            self._moved = asyncio.Event()
+        return self._moved
 
     async def run(self) -> None:
         """The lifespan task: read while anyone listens."""
@@ -82,11 +86,11 @@ class Watcher:
         try:
             seen = await self.read()
             yield b"retry: 3000\n: connected\n\n"
-            condition = self._condition()
             while True:
-                async with condition:
+                moved = self._next()
+                if self.version == seen:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(condition.wait(), HEARTBEAT_S)
+                        await asyncio.wait_for(moved.wait(), HEARTBEAT_S)
                 if not await asyncio.to_thread(still_allowed):
                     return
                 if self.version != seen:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import threading
 import time
@@ -732,6 +733,60 @@ def test_the_event_stream_says_changed_when_the_ledger_moves(backend: CacheBacke
     before = watcher._digest()
     Accounts(backend).set("alice", role="operator")
     assert watcher._digest() == before
+
+
+def test_live_updates_survive_pages_coming_and_going_at_any_moment(
+    backend: CacheBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages open and close (their streams cancelled) at every point of a stream's wait
+    while the ledger changes; afterwards a new page still hears of the next change, and no
+    stream failed. A stream's wait used to hold a Condition's lock: one cancelled at the
+    wrong moment released a lock it no longer held ("Lock is not acquired"), the lock stayed
+    taken, and no page was told of a change again until the console restarted."""
+    from crewai_idempotent.console import _live
+
+    monkeypatch.setattr(_live, "HEARTBEAT_S", 0.0005)  # a wait ends every few steps
+    watcher = _live.Watcher(backend, refresh_s=0.001)
+    ledger = Ledger(backend)
+    failures: list[str] = []
+
+    async def page() -> None:
+        try:
+            async for _ in watcher.stream(lambda: True):
+                pass
+        except Exception as exc:  # noqa: BLE001 - every failure is the finding
+            failures.append(repr(exc))
+
+    async def main() -> bytes:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: failures.append(context["message"]))
+        runner = asyncio.create_task(watcher.run())
+        chance = random.Random(7)
+        pages: list[asyncio.Task[None]] = []
+        for i in range(1500):
+            pages.append(asyncio.create_task(page()))
+            if i % 5 == 0:
+                ledger.run(f"charge:storm-{i}", lambda: "r")
+            for _ in range(chance.randrange(3)):
+                if pages:
+                    pages.pop(chance.randrange(len(pages))).cancel()
+            await asyncio.sleep(chance.choice([0, 0, 0.0003, 0.0007]))
+        for task in pages:
+            task.cancel()
+        await asyncio.wait_for(asyncio.gather(*pages, return_exceptions=True), 60)
+        fresh = watcher.stream(lambda: True)
+        await asyncio.wait_for(anext(fresh), 60)
+        await asyncio.to_thread(ledger.run, "charge:after-the-storm", lambda: "r")
+        heard = b""
+        while not heard.startswith(b"event: changed"):
+            heard = await asyncio.wait_for(anext(fresh), 60)  # a hang, not a time bound
+        await fresh.aclose()
+        runner.cancel()
+        return heard
+
+    assert asyncio.run(main()).startswith(b"event: changed\n")
+    assert failures == []
+    assert watcher.listeners == 0
 
 
 def test_ended_sessions_are_deleted_by_purge_and_by_the_sweep(backend: CacheBackend) -> None:
