@@ -37,7 +37,9 @@ def _forget_ledgers() -> None:
 
 
 @pytest.fixture
-def isolated_crewai(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def isolated_crewai(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Path]:
     """crewai's storage folder (and so the default ledger) inside tmp_path; no process
     default, no ledger URL from the environment."""
     data = tmp_path / "xdg-data"
@@ -48,9 +50,8 @@ def isolated_crewai(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.delenv("CREWAI_IDEMPOTENCY_NOTIFY", raising=False)
     # crewai locks each SQLite file it keeps with a lock file in the temp folder, named by
     # the file's path and never removed: a test's files are new each time, so its locks
-    # go in tmp_path with them.
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    # go in pytest's own folders with them (beside tmp_path, whose contents tests check).
+    temp = tmp_path_factory.mktemp("crewai-locks")
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     _forget_ledgers()
     yield data
