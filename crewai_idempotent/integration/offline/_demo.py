@@ -39,12 +39,11 @@ from ._scripted import (
     demo_ledger,
     go_offline,
     narrator,
-    receipt_document,
+    publish_receipt,
     say,
     scripted_model,
     tool_call,
     what_crewai_left,
-    write_receipt,
 )
 
 _MODEL_FAILURE = "503: upstream model overloaded (scripted)"
@@ -345,13 +344,15 @@ class _Demo:
             f"[bold {colour}]charges at the fake provider: {charges}[/]"
         )
         counts = guarded["effects"]["count"], unguarded["effects"]["count"]
-        document = receipt_document(
+        if not publish_receipt(
+            self.say,
+            path,
             "demo",
             "One charge, a failure injected after the charge and before crewai accepts the "
             "task (twice: a guardrail rejection, then a model error), and crewai's retries; "
             "run with the guard, then without it.",
             {"guarded": guarded, "unguarded": unguarded},
-            action={
+            {
                 "tool": "charge_card",
                 "idempotency_key": key,
                 "fingerprint": record.fingerprint if record is not None else None,
@@ -361,18 +362,9 @@ class _Demo:
                     "customer": self.customer,
                 },
             },
-            verdict={
-                "guarded_effects": counts[0],
-                "unguarded_effects": counts[1],
-                "duplicates_prevented": counts[1] - counts[0],
-            },
-        )
-        try:
-            write_receipt(path, document)
-        except OSError as exc:
-            self.say(f"[red]could not write the receipt:[/] {escape(str(exc))}")
+            counts,
+        ):
             return 1
-        self.say(f"receipt written to {escape(path)} [dim](docs/receipts.md reads it)[/]")
         return 0 if counts == (1, self.tool_calls) and self.tool_calls > 1 else 1
 
 

@@ -37,12 +37,11 @@ from ._scripted import (
     demo_ledger,
     go_offline,
     narrator,
-    receipt_document,
+    publish_receipt,
     say,
     scripted_model,
     tool_call,
     what_crewai_left,
-    write_receipt,
 )
 
 THRESHOLD_CENTS = 500_00
@@ -350,23 +349,16 @@ class _Demo:
         paid = len(self.bank.payments)
         self.say(f"the bank made {paid} payments without the guard")
         counts = guarded["effects"]["count"], unguarded["effects"]["count"]
-        document = receipt_document(
+        if not publish_receipt(
+            self.say,
+            path,
             "demo-approvals",
             "Two small invoices paid, then the approval gate stops the kickoff at a large one; "
             "an operator approves; the kickoff runs again with a fourth invoice that the "
             "per-kickoff cap refuses. Run with the guard, then without it.",
             {"guarded": guarded, "unguarded": unguarded},
-            action={"tool": "pay_invoice", "calls": actions},
-            verdict={
-                "guarded_effects": counts[0],
-                "unguarded_effects": counts[1],
-                "duplicates_prevented": counts[1] - counts[0],
-            },
-        )
-        try:
-            write_receipt(path, document)
-        except OSError as exc:
-            self.say(f"[red]could not write the receipt:[/] {escape(str(exc))}")
+            {"tool": "pay_invoice", "calls": actions},
+            counts,
+        ):
             return 1
-        self.say(f"receipt written to {escape(path)} [dim](docs/receipts.md reads it)[/]")
         return 0 if counts == (3, self.tool_calls) else 1

@@ -310,3 +310,33 @@ def write_receipt(path: str, receipt: dict[str, Any]) -> None:
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def publish_receipt(
+    say: Callable[[str], None],
+    path: str,
+    demo: str,
+    scenario: str,
+    runs: dict[str, Any],
+    action: dict[str, Any],
+    counts: tuple[int, int],
+) -> bool:
+    """Write the receipt of `demo` to `path`, its verdict from `counts` (the effects with
+    the guard and without it), and say where; False (said) if it cannot be written."""
+    from rich.markup import escape
+
+    document = receipt_document(
+        demo, scenario, runs, action=action,
+        verdict={
+            "guarded_effects": counts[0],
+            "unguarded_effects": counts[1],
+            "duplicates_prevented": counts[1] - counts[0],
+        },
+    )  # fmt: skip
+    try:
+        write_receipt(path, document)
+    except OSError as exc:
+        say(f"[red]could not write the receipt:[/] {escape(str(exc))}")
+        return False
+    say(f"receipt written to {escape(path)} [dim](docs/receipts.md reads it)[/]")
+    return True
