@@ -11,10 +11,7 @@ charge is committed, the second resumes the same flow id; one charge at the prov
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +23,10 @@ from tests.support.crewai.crews import charge_tool, payment_crew, scripted
 from tests.support.crewai.fixtures import PYTHON, REPO, subprocess_env
 from tests.support.crewai.flows import INVOICE, payment_flow
 from tests.support.crewai.provider import FakeProvider
+from tests.support.killing import STARTUP_TIMEOUT, sigkill_once
 
 pytest_plugins = ["tests.support.crewai.fixtures"]
 pytestmark = pytest.mark.usefixtures("isolated_crewai")
-
-STARTUP_TIMEOUT = 300  # importing crewai takes several seconds on a slow machine
 
 
 @pytest.fixture
@@ -151,19 +147,7 @@ def test_a_flow_resumed_after_sigkill_does_not_charge_again(tmp_path: Path) -> N
         "key": "pay:{flow}:{invoice}",
     }  # fmt: skip
     worker = _spawn({**spec, "hold": str(hold)}, env)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while not hold.exists() or not hold.read_text():
-            assert worker.poll() is None, worker.stderr.read()[-3000:] if worker.stderr else ""
-            assert time.monotonic() < deadline, "the flow never reached its second step"
-            time.sleep(0.05)
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.wait(30)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait(30)
-    assert worker.returncode == -signal.SIGKILL
+    sigkill_once(worker, lambda: hold.exists() and bool(hold.read_text()), "its second step")
     held = json.loads(hold.read_text())
     key = f"pay:{held['id']}:{INVOICE['invoice']}"
     with SQLiteCacheBackend(ledger) as backend:

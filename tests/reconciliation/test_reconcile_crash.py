@@ -14,10 +14,7 @@ by one registered for it by the tool's name in the module the sweeper imports.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,10 +26,10 @@ pytest.importorskip("stripe")
 from crewai_idempotent import Ledger, Status, backend_from_url
 from tests.support.crewai.fixtures import PYTHON, REPO, subprocess_env
 from tests.support.fake_stripe import FakeStripe
+from tests.support.killing import STARTUP_TIMEOUT, sigkill_once
 from tests.support.reconcile import wait_for
 
 LEASE_S = 2.0
-STARTUP_TIMEOUT = 300  # importing crewai takes several seconds on a slow machine
 pytestmark = pytest.mark.slow
 
 
@@ -68,19 +65,7 @@ def test_a_sweeper_in_another_process_settles_a_killed_workers_charges(
         {**run, "invoice": unpaid, "when": "before", "hold": str(tmp_path / "held-unpaid")},
     ]
     worker = _crews(held, env)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while not all(Path(r["hold"]).exists() for r in held):
-            assert worker.poll() is None, worker.stderr.read()[-3000:] if worker.stderr else ""
-            assert time.monotonic() < deadline, "the worker never reached its tool calls"
-            time.sleep(0.05)
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.wait(30)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait(30)
-    assert worker.returncode == -signal.SIGKILL
+    sigkill_once(worker, lambda: all(Path(r["hold"]).exists() for r in held), "its tool calls")
     intent = Path(held[0]["hold"]).read_text()
     keys = {paid: f"pay:{paid}", unpaid: f"pay:{unpaid}"}
     assert [c["id"] for c in fake.charged(keys[paid])] == [intent]
@@ -144,19 +129,7 @@ def test_a_reconciler_registered_by_tool_name_settles_a_killed_workers_charge(
     run["reconcile"] = False
     hold = tmp_path / "held"
     worker = _crews([{**run, "invoice": "ord-1", "when": "after", "hold": str(hold)}], env)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while not hold.exists() or not hold.read_text():
-            assert worker.poll() is None, worker.stderr.read()[-3000:] if worker.stderr else ""
-            assert time.monotonic() < deadline, "the worker never reached its tool call"
-            time.sleep(0.05)
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.wait(30)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait(30)
-    assert worker.returncode == -signal.SIGKILL
+    sigkill_once(worker, lambda: hold.exists() and bool(hold.read_text()), "its tool call")
     intent = hold.read_text()
     assert [c["id"] for c in fake.charged("charge:ord-1")] == [intent]
 
