@@ -30,20 +30,15 @@ from typing import Any
 
 from rich.markup import escape
 
-from ..._errors import LedgerConfigurationError, LedgerUnavailable
 from ..._units import format_money
 from .. import IdempotencyConfig, install
 from ._scripted import (
-    crewai_files_thrown_away,
     current_attempt,
-    demo_ledger,
-    go_offline,
-    narrator,
     publish_receipt,
+    run_offline,
     say,
     scripted_model,
     tool_call,
-    what_crewai_left,
 )
 
 _MODEL_FAILURE = "503: upstream model overloaded (scripted)"
@@ -76,22 +71,7 @@ def run_demo(
     """Run the demo; 0 when the provider saw exactly one charge, else 1. With `receipt`
     (a file name), run the unguarded control after it and write the receipt there; 0 then
     also needs the control to have charged once per call."""
-    go_offline()
-    out = narrator(console)
-    try:
-        with (
-            demo_ledger(ledger_path, ledger_url, "demo") as (backend, described),
-            crewai_files_thrown_away("demo") as crewai_made,
-        ):
-            demo = _Demo(out, backend, described)
-            status = demo.run()
-            if receipt is not None:
-                status = max(status, demo.receipt(receipt))
-            what_crewai_left(out, crewai_made())
-            return status
-    except (LedgerUnavailable, LedgerConfigurationError) as exc:
-        say(out, f"[red]cannot use that ledger:[/] {escape(str(exc))}")
-        return 1
+    return run_offline("demo", _Demo, ledger_path, ledger_url, console, receipt)
 
 
 class _Demo:

@@ -25,7 +25,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from ..._errors import ApprovalRequired, LedgerConfigurationError, LedgerUnavailable, command
+from ..._errors import ApprovalRequired, command
 from ..._units import format_money
 from ...gates._approvals import Approvals
 from ...gates._spend import Money, SpendCap, SpendLedger
@@ -33,15 +33,11 @@ from ...ledger._backend import ledger_option
 from .. import install
 from ._scripted import (
     Reply,
-    crewai_files_thrown_away,
-    demo_ledger,
-    go_offline,
-    narrator,
     publish_receipt,
+    run_offline,
     say,
     scripted_model,
     tool_call,
-    what_crewai_left,
 )
 
 THRESHOLD_CENTS = 500_00
@@ -74,22 +70,7 @@ def run_demo(
     """Run the demo; 0 when the bank saw exactly the three expected payments. With
     `receipt` (a file name), run the unguarded control after it and write the receipt
     there; 0 then also needs the control to have paid on every call."""
-    go_offline()
-    out = narrator(console)
-    try:
-        with (
-            demo_ledger(ledger_path, ledger_url, "demo-approvals") as (backend, described),
-            crewai_files_thrown_away("demo-approvals") as crewai_made,
-        ):
-            demo = _Demo(out, backend, described)
-            status = demo.run()
-            if receipt is not None:
-                status = max(status, demo.receipt(receipt))
-            what_crewai_left(out, crewai_made())
-            return status
-    except (LedgerUnavailable, LedgerConfigurationError) as exc:
-        say(out, f"[red]cannot use that ledger:[/] {escape(str(exc))}")
-        return 1
+    return run_offline("demo-approvals", _Demo, ledger_path, ledger_url, console, receipt)
 
 
 class _Demo:

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 # A reply gets the conversation (a list of messages) and the tools offered, and returns
 # the model's answer: text, or a list of native tool calls.
@@ -207,6 +207,47 @@ def what_crewai_left(console: Any, made: list[str]) -> None:
             + " (crewai makes them the first time it is imported, and keeps them: its "
             "login key and its settings); nothing else[/]",
         )
+
+
+class Demo(Protocol):
+    """What `run_offline` runs: the demo itself, then, asked for, its receipt."""
+
+    def run(self) -> int: ...
+
+    def receipt(self, path: str) -> int: ...
+
+
+def run_offline(
+    command: str,
+    make: Callable[[Any, Any, str], Demo],
+    ledger_path: str | None,
+    ledger_url: str | None,
+    console: Any,
+    receipt: str | None,
+) -> int:
+    """Run the demo `make(narrator, backend, described)` builds, offline, on its ledger,
+    with crewAI's files thrown away; then its receipt, if asked for. The worse of the two
+    exit statuses; 1, said, if the ledger cannot be used."""
+    from rich.markup import escape
+
+    from ..._errors import LedgerConfigurationError, LedgerUnavailable
+
+    go_offline()
+    out = narrator(console)
+    try:
+        with (
+            demo_ledger(ledger_path, ledger_url, command) as (backend, described),
+            crewai_files_thrown_away(command) as crewai_made,
+        ):
+            demo = make(out, backend, described)
+            status = demo.run()
+            if receipt is not None:
+                status = max(status, demo.receipt(receipt))
+            what_crewai_left(out, crewai_made())
+            return status
+    except (LedgerUnavailable, LedgerConfigurationError) as exc:
+        say(out, f"[red]cannot use that ledger:[/] {escape(str(exc))}")
+        return 1
 
 
 def _crewai_user_folders() -> list[Path]:
