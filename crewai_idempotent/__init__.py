@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from .ledger._ledger import Ledger
     from .ledger._reconcile import Absent, Found, Unknown
     from .ledger._record import Event, Owner, Record, Status
+    from .ledger._select import Order, Select
     from .ledger._steps import Outcome
 
 # Where each name loaded on first use lives.
@@ -78,6 +79,8 @@ _LAZY = {
     "Owner": ".ledger._record",
     "Record": ".ledger._record",
     "Status": ".ledger._record",
+    "Order": ".ledger._select",
+    "Select": ".ledger._select",
     "Money": ".gates._spend",
     "SpendCap": ".gates._spend",
     "SpendLedger": ".gates._spend",
@@ -135,6 +138,7 @@ __all__ = [
     "ListenError",
     "Money",
     "OperationInProgress",
+    "Order",
     "Outcome",
     "OutcomeUncertain",
     "OutcomeUnknown",
@@ -146,6 +150,7 @@ __all__ = [
     "RedisDurabilityWarning",
     "ResolutionRefused",
     "SQLiteCacheBackend",
+    "Select",
     "SpendCap",
     "SpendCapExceeded",
     "SpendLedger",

@@ -24,10 +24,9 @@ from typing import Any
 
 from ._hostclock import HostClock
 from ._record import Peek, Record, Status
+from ._select import DOCUMENTS, Select
 
-#: The keys the package's own documents live under (approval requests, spend caps, the
-#: outbox of what needs a person). A store may keep an index of them for `scan_prefix`.
-DOCUMENTS = "crewai-idempotent/"
+__all__ = ["DOCUMENTS", "CacheBackend", "ledger_option", "mark_default", "prefix_end", "url_of"]
 
 
 class CacheBackend(ABC):
@@ -121,6 +120,30 @@ class CacheBackend(ABC):
         found = [record for record in self.scan() if record.key.startswith(prefix)]
         found.sort(key=lambda record: record.key)
         return iter(found)
+
+    def select(self, query: Select) -> Iterator[Record]:
+        """The records `query` selects, in its order, from its `after` on, at most its
+        `limit`: what every listing a person or a watcher repeats reads (`_select`).
+
+        The stores answer it from their indexes, so it reads what it yields (and what an
+        index cannot tell apart: a filter the index does not cover), not the ledger, and
+        each store's `scan_stats()` counts the rows it read. This default is
+        `Select.apply` over a scan of the query's prefix or status: right for a store of
+        your own, but it reads every record of that scan, and an order other than the
+        key's holds what matched. Streamed like `scan`: what a caller may rely on while
+        the ledger changes is what `scan` promises, for the query's order. Raises what
+        `scan` raises."""
+        source = self.scan_prefix(query.prefix) if query.prefix else self.scan(query.status)
+        return query.apply(source)
+
+    def changes(self) -> object | None:
+        """A mark that differs after any write to the ledger by any process, read without
+        reading a record: what the console's live updates compare between refreshes, so
+        an open page costs nothing while nothing changes. Equal marks mean nothing was
+        written in between (a mark may also move without a change a page shows). None when
+        the store cannot tell (this default): the console then reads what its pages show
+        at every refresh. Raises `LedgerUnavailable` if the store cannot be asked."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional for stores that hold nothing open
         """Release connections and file handles. The backend may not be used afterwards.

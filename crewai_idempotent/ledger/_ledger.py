@@ -45,6 +45,7 @@ from ._policy import (
 from ._reconcile import aask, ask, named, path_of
 from ._record import Record, Status, _whoami
 from ._rooms import _Lanes, _Rooms
+from ._select import Select
 from ._steps import _MISSING, Outcome, Settled, Stage, Step, _Ask, _Call, _Park, _Sleep
 
 # Names other modules import from here: the guard's public face in one place.
@@ -452,6 +453,14 @@ class Ledger(_Machine):
         yielded once however often it is written meanwhile (`CacheBackend.scan`). Raises
         `LedgerUnavailable` while it is iterated, if the store cannot be read."""
         return self.backend.scan(status)
+
+    def select(self, query: Select) -> Iterator[Record]:
+        """The records `query` selects (`Select`: a status, the needs-operator flag, a key
+        prefix, a time range, expired receipts, documents by state), in its order and page,
+        streamed from the store's indexes: a listing costs what it finds, not what the
+        ledger holds (`CacheBackend.select`). Raises `LedgerUnavailable` while it is
+        iterated, if the store cannot be read."""
+        return self.backend.select(query)
 
     def stats(self) -> LedgerStats:
         """What this ledger holds in this process: see `LedgerStats`. A read of in-process
