@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,7 @@ from .._errors import (
 from ..ledger._backend import CacheBackend, ledger_option, url_of
 from ..ledger._hostclock import HostClock
 from ..ledger._record import Record
+from ..ledger._select import Order, Position, Select
 from ..notifications._outbox import Note
 from . import _gatestore
 
@@ -101,6 +102,9 @@ class ApprovalRequest:
     origin: dict[str, Any] = field(default_factory=dict)
     # Not stored: the URL of the ledger it was read from (None: the CLI's default ledger).
     ledger: str | None = field(default=None, compare=False)
+    # Not stored: where its document stands in a listing's order (`Approvals.select`):
+    # give it as `after` for the next page. None when it was not read by a listing.
+    position: Position | None = field(default=None, compare=False)
 
     @property
     def approve_command(self) -> str:
@@ -108,7 +112,9 @@ class ApprovalRequest:
         return command(self.ledger, "approvals", "approve", self.id)
 
     @classmethod
-    def from_doc(cls, d: Mapping[str, Any], ledger: str | None = None) -> ApprovalRequest:
+    def from_doc(
+        cls, d: Mapping[str, Any], ledger: str | None = None, position: Position | None = None
+    ) -> ApprovalRequest:
         return cls(
             id=d["id"], key=d["key"], fingerprint=d["fingerprint"], tool=d["tool"],
             state=ApprovalState(d["state"]), summary=dict(d["summary"]), reason=d["reason"],
@@ -118,7 +124,7 @@ class ApprovalRequest:
             used_at=d["used_at"], used_token=d["used_token"], history=tuple(d["history"]),
             spend=d.get("spend"), approvers_needed=d.get("approvers_needed", 1),
             approvals=tuple(d.get("approvals", ())), origin=dict(d.get("origin") or {}),
-            ledger=ledger,
+            ledger=ledger, position=position,
         )  # fmt: skip
 
 
@@ -130,6 +136,16 @@ def request_id(key: str, fingerprint: str) -> str:
 
 def _doc_key(rid: str) -> str:
     return f"{_gatestore.PREFIX}{KIND}{rid}"
+
+
+def _state(state: ApprovalState | str | None) -> ApprovalState | None:
+    if state is None or str(state).lower() == "all":
+        return None
+    try:
+        return ApprovalState(str(state).upper())
+    except ValueError:
+        names = ", ".join(s.value.lower() for s in ApprovalState)
+        raise ValueError(f"state must be one of {names} or all, not {state!r}") from None
 
 
 def _check_id(rid: Any) -> str:
@@ -174,18 +190,34 @@ class Approvals:
 
     def list(self, state: ApprovalState | str | None = None) -> list[ApprovalRequest]:
         """Every request (or those in `state`: an `ApprovalState`, its name in any case,
-        or "all"), oldest first. Raises `ValueError` for an unknown state and
-        `LedgerUnavailable` if the store cannot be read."""
-        wanted = None
-        if state is not None and str(state).lower() != "all":
-            try:
-                wanted = ApprovalState(str(state).upper())
-            except ValueError:
-                names = ", ".join(s.value.lower() for s in ApprovalState)
-                raise ValueError(f"state must be one of {names} or all, not {state!r}") from None
-        found = [self._request(d) for d in _gatestore.scan(self.backend, KIND)]
-        found = [r for r in found if wanted is None or r.state is wanted]
-        return sorted(found, key=lambda r: r.created_at)
+        or "all"), oldest first: a list, holding them all (`select` pages instead). Raises
+        `ValueError` for an unknown state and `LedgerUnavailable` if the store cannot be
+        read."""
+        return sorted(self.select(state), key=lambda r: r.created_at)
+
+    def select(
+        self,
+        state: ApprovalState | str | None = None,
+        *,
+        key: str | None = None,
+        order: Order = Order.KEY,
+        after: Position | None = None,
+        limit: int | None = None,
+    ) -> Iterator[ApprovalRequest]:
+        """The requests in `state` (as for `list`; None or "all": every one), or for the
+        call under the idempotency key `key`, in `order` (`Order.NEWEST`: the last decided
+        or asked first) from `after` on (the `position` of the last request of the
+        previous page), at most `limit`: read from the store's index of the documents by
+        state, so a page costs a page. Raises `ValueError` for an unknown state and
+        `LedgerUnavailable` while it is iterated, if the store cannot be read."""
+        wanted = _state(state)
+        found = _gatestore.select(
+            self.backend, KIND, state=None if wanted is None else wanted.value, subject=key,
+            order=order, after=after, limit=limit,
+        )  # fmt: skip
+        query = Select(order=order)
+        for record, doc in found:
+            yield ApprovalRequest.from_doc(doc, self._ledger, query.position(record))
 
     def approve(
         self,

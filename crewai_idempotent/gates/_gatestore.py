@@ -18,6 +18,7 @@ from .._errors import CorruptRecord
 from ..ledger._backend import CacheBackend
 from ..ledger._record import Record, Status
 from ..ledger._results import decode, encode
+from ..ledger._select import Order, Position, Select
 from ..notifications import _outbox
 
 #: Every key this module writes starts with this; `crewai-idempotent ls` shows them too.
@@ -52,6 +53,30 @@ def scan(backend: CacheBackend, kind: str) -> Iterator[dict[str, Any]]:
     for record in backend.scan_prefix(PREFIX + kind):
         if record.status is Status.COMMITTED and record.fingerprint == _FINGERPRINT:
             yield _doc(record)
+
+
+def select(
+    backend: CacheBackend,
+    kind: str,
+    *,
+    state: str | None = None,
+    subject: str | None = None,
+    order: Order = Order.KEY,
+    after: Position | None = None,
+    limit: int | None = None,
+) -> Iterator[tuple[Record, dict[str, Any]]]:
+    """The documents of `kind` (and, if given, in `state`, or about the call `subject`),
+    with their records, in `order` from `after` on, at most `limit`: answered from the
+    store's index of the documents by state and subject (`CacheBackend.select`), so a page
+    of pending approvals reads that page, however many were decided before. A record
+    under the prefix that is not a document is skipped, as `scan` skips it."""
+    query = Select(
+        prefix=PREFIX + kind, state=state, subject=subject, order=order, after=after,
+        limit=limit,
+    )  # fmt: skip
+    for record in backend.select(query):
+        if record.status is Status.COMMITTED and record.fingerprint == _FINGERPRINT:
+            yield record, _doc(record)
 
 
 Notes = Callable[[dict[str, Any] | None, dict[str, Any]], list[_outbox.Note]]

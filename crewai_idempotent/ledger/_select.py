@@ -54,6 +54,10 @@ class Select:
       request is for) is this.
     - `order`, `after`, `limit`: the order, the position to continue after (the last
       record of the previous page), and how many at most (None: all).
+
+    Raises `TypeError` for a status or order of another type, `ValueError` for `state` or
+    `subject` without a prefix under `DOCUMENTS`, a `limit` below 1, or an `after` that
+    is not a position in `order`.
     """
 
     status: Status | None = None
@@ -94,8 +98,8 @@ class Select:
     # -- the meaning of a select, over records already read ------------------------------
 
     def matches(self, record: Record) -> bool:
-        """Every condition but the order's: `after` and `limit` are a page's, not a
-        record's."""
+        """True when `record` meets every condition but the order's (`after` and `limit`
+        are a page's, not a record's). Raises nothing."""
         if self.status is not None and record.status is not self.status:
             return False
         if self.needs_operator and not record.needs_operator:
@@ -118,14 +122,14 @@ class Select:
 
     def position(self, record: Record) -> Position:
         """Where `record` stands in this select's order: give it as `after` for the next
-        page."""
+        page. Raises nothing."""
         if self.order is Order.KEY:
             return record.key
         return (record.updated_at, record.key)
 
     def beyond(self, record: Record) -> bool:
         """True when `record` comes after `after` in this select's order (always, with no
-        `after`)."""
+        `after`). Raises nothing."""
         after = self.after
         if after is None:
             return True
@@ -134,7 +138,7 @@ class Select:
         mine = (record.updated_at, record.key)
         return mine > after if self.order is Order.OLDEST else mine < after  # type: ignore[operator]
 
-    def sort_key(self, record: Record) -> Any:
+    def _sort_key(self, record: Record) -> Any:
         if self.order is Order.KEY:
             return record.key
         return (record.updated_at, record.key)
@@ -143,22 +147,24 @@ class Select:
         """The select's answer from `records` (in any order, each once): filtered, put in
         order, continued after `after`, cut at `limit`. An order other than the key's
         sorts, holding what matched: this is the meaning, and the fallback of a store with
-        no index for it, not a way to read millions."""
+        no index for it, not a way to read millions. Raises what iterating `records`
+        raises."""
         found = (r for r in records if self.matches(r) and self.beyond(r))
         if self.order is Order.KEY:
             ordered: Iterable[Record] = sorted(found, key=lambda r: r.key)
         elif self.limit is not None:
             pick = heapq.nsmallest if self.order is Order.OLDEST else heapq.nlargest
-            ordered = pick(self.limit, found, key=self.sort_key)
+            ordered = pick(self.limit, found, key=self._sort_key)
         else:
-            ordered = sorted(found, key=self.sort_key, reverse=self.order is Order.NEWEST)
+            ordered = sorted(found, key=self._sort_key, reverse=self.order is Order.NEWEST)
         for n, record in enumerate(ordered):
             if self.limit is not None and n >= self.limit:
                 return
             yield record
 
     def page_after(self, record: Record) -> Select:
-        """The same select for the page after `record`."""
+        """The same select for the page after `record` (the last of this page). Raises
+        nothing."""
         return replace(self, after=self.position(record))
 
 

@@ -23,7 +23,7 @@ OPERATED = ("Ledger", "Approvals", "SpendLedger", "CacheBackend")
 # Data: fields, not parameters; each field is declared and commented in its class.
 DATA = {
     "Absent", "ApprovalRequest", "ApprovalState", "Event", "Found", "KeyContext", "Money",
-    "Outcome", "Owner", "Record", "SpendCap", "Status", "Unknown",
+    "Order", "Outcome", "Owner", "Record", "SpendCap", "Status", "Unknown",
     "IdempotentTool",  # a crewai BaseTool: its fields are crewai's
     "Delivery", "Entry", "Pass",  # notifications
     "Alert", "Report", "Result",  # reconciliation
