@@ -16,10 +16,10 @@ This file is also the worker both releases run, in separate processes:
 
 `serve` answers one JSON command per line of stdin with one JSON line on stdout (the
 commands are `Worker`'s methods); `loop` claims, replays and retries keys of its own until
-its stdin closes, printing one JSON line per call. It imports only the standard library
-at module level and uses only the public API the two releases share: `-I` keeps the
-checkout (PYTHONPATH, the script's folder) out of the previous release's path, so it
-imports the crewai_idempotent installed there; `hello` says which one it imported.
+its stdin closes, printing one JSON line per call. It uses only the public API the two
+releases share: `-I` keeps the checkout (PYTHONPATH, the script's folder) out of the
+previous release's path, so there it imports the crewai_idempotent installed beside it;
+`hello` says which one it imported.
 
 Effects go to the fake provider file of tests/support/faults/provider.py (one JSON line
 per effect, appended in one write), where the tests count them.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -43,8 +44,24 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from click.testing import CliRunner
+
+# The public API both releases have: under the previous release's interpreter these are
+# the previous release's.
+import crewai_idempotent
+from crewai_idempotent import (
+    ApprovalRequired,
+    Approvals,
+    Ledger,
+    OutcomeUnknown,
+    backend_from_url,
+    fingerprint,
+)
+from crewai_idempotent.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve()
@@ -130,8 +147,6 @@ def pins() -> list[str]:
     """The previous release's requirements at the versions this environment has (the ones
     the current release is tested with), so the two differ only in the package; a
     requirement this environment lacks is left to the resolver."""
-    from importlib import metadata
-
     pinned = []
     for requirement in REQUIREMENTS:
         name = requirement.partition("[")[0]
@@ -164,8 +179,6 @@ def environment() -> Environment:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    import fcntl
-
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -286,8 +299,6 @@ class Worker:
     approvals, and reads. Each public method is a command of `serve`."""
 
     def __init__(self, url: str, provider: str, release: str) -> None:
-        from crewai_idempotent import Approvals, Ledger, backend_from_url
-
         self.url = url
         self.release = release
         self.provider = Provider(provider)
@@ -301,8 +312,6 @@ class Worker:
     # -- guarded calls ---------------------------------------------------------------------
 
     def _body(self, key: str, mode: str) -> Callable[[], Any]:
-        from crewai_idempotent import OutcomeUnknown
-
         def body() -> Any:
             first = mode == "fail-first" and "decline" not in self.provider.kinds(key)
             if mode == "fail" or first:
@@ -358,8 +367,6 @@ class Worker:
         lapses while its body runs (it renews no lease: a frozen worker), a retry takes
         the claim over and commits, then the first body finishes and its commit is fenced
         off, so two executions may have happened. Returns what the first worker was told."""
-        from crewai_idempotent import Ledger, backend_from_url
-
         frozen = Ledger(backend_from_url(self.url), wait_s=60.0, lease_s=1.0, clock=_Stopped())
         running = {key: threading.Event() for key in keys}
         finish = threading.Event()
@@ -400,8 +407,6 @@ class Worker:
     def ask(self, key: str) -> dict[str, Any]:
         """A guarded call of `key` that needs an approval: the first asks for one (its
         request id is returned), a call after a grant uses it and charges."""
-        from crewai_idempotent import ApprovalRequired, fingerprint
-
         args = {"amount": AMOUNT, "to": key}
         fp = fingerprint(args)
 
@@ -437,16 +442,12 @@ class Worker:
     def read(self) -> dict[str, Any]:
         """What this release reads from the ledger: every record by `scan` and by `get`,
         and what `ls` and `approvals ls` (run in this process) list."""
-        from click.testing import CliRunner
-
-        from crewai_idempotent.cli import main
-
         records = {r.key: _summary(r) for r in self.ledger.scan()}
         by_get = {key: _summary(self.ledger.get(key)) for key in records}
         runner = CliRunner()
 
         def listed(*args: str) -> Any:
-            done = runner.invoke(main, ["--ledger", self.url, *args, "--json"])
+            done = runner.invoke(cli, ["--ledger", self.url, *args, "--json"])
             if done.exit_code != 0:
                 raise AssertionError(f"{args}: {done.output}")
             return json.loads(done.stdout)
@@ -462,8 +463,6 @@ class Worker:
         }
 
     def hello(self) -> dict[str, str]:
-        import crewai_idempotent
-
         return {"package": str(Path(crewai_idempotent.__file__).parent), "release": self.release}
 
 
