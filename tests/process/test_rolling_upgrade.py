@@ -11,7 +11,8 @@ ledger, on SQLite, PostgreSQL and Redis.
   it accepts).
 - What the previous release writes after the upgrade (a record it flags for an operator,
   an approval it decides, a record it deletes) is what this release's `Ledger.select`
-  finds, as `Select.apply` over a full scan says; so is what it wrote before.
+  finds, as `Select.apply` over a full scan says, and moves this release's change mark;
+  so is what it wrote before.
 - The previous release reads a ledger this one wrote: get, scan, `ls` and `approvals ls`.
 
 SQLite runs as root with the ledger in pytest's temp folder: the interpreters live under
@@ -96,14 +97,23 @@ class Worker:
         )  # fmt: skip
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        ready = self.receive()
-        self.package = Path(ready["ready"]["package"])
-        self.release = ready["ready"]["release"]
+        self.package = Path()
+        self.release = ""
+
+    def ready(self) -> None:
+        """Wait for the worker to say which release it imported."""
+        said = self.receive()
+        assert "ready" in said, said
+        self.package = Path(said["ready"]["package"])
+        self.release = said["ready"]["release"]
 
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            self.lines.put(json.loads(line))
+            try:
+                self.lines.put(json.loads(line))
+            except ValueError:  # something printed on the worker's stdout: said, not hung on
+                self.lines.put({"failed": f"a line that is not JSON: {line!r}", "traceback": ""})
         self.lines.put(None)
 
     def tail(self) -> str:
@@ -178,6 +188,7 @@ class Workers:
     def _start(self, command: list[str], env: dict[str, str]) -> Worker:
         worker = Worker(command, env, self.folder / f"worker-{len(self.started)}.log")
         self.started.append(worker)
+        worker.ready()
         return worker
 
     def close(self) -> None:
@@ -303,14 +314,16 @@ FILL = 3000
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("maker", ["previous", "current"])
 def test_old_and_new_workers_race_on_the_same_keys_and_replay_each_other(
-    workers: Workers, provider: Provider
+    workers: Workers, provider: Provider, maker: str
 ) -> None:
-    # This release makes the ledger (its tables and indexes); the previous one joins it.
-    first = workers.new()
+    # One release makes the ledger; workers of the other join it (this release's first
+    # use of a ledger the previous one made runs its upgrade).
+    first = workers.old() if maker == "previous" else workers.new()
     ran(first("run", key="warm-up"))
-    racers = [first, workers.new(), workers.old(), workers.old()]
-    new, old = racers[0], racers[2]
+    new, old = (workers.new(), first) if maker == "previous" else (first, workers.old())
+    racers = [new, workers.new(), old, workers.old()]
     tag = secrets.token_hex(4)
     won: dict[str, dict[str, Any]] = {}  # the answer of the call whose body ran
     for n in range(ROUNDS):
@@ -331,18 +344,18 @@ def test_old_and_new_workers_race_on_the_same_keys_and_replay_each_other(
 
     # Whoever won the races, each release fails a key the other takes over, and commits
     # one of its own.
-    for maker, taker in ((old, new), (new, old)):
-        failed = f"failed-{tag}-{maker.release}"
-        assert "declined" in maker("run", key=failed, mode="fail").get("error", ""), failed
-        taken = won[failed] = ran(taker("run", key=failed))
+    for one, other in ((old, new), (new, old)):
+        failed = f"failed-{tag}-{one.release}"
+        assert "declined" in one("run", key=failed, mode="fail").get("error", ""), failed
+        taken = won[failed] = ran(other("run", key=failed))
         assert taken["token"] == 2, taken  # the FAILED record's token was 1
-        won[f"own-{tag}-{maker.release}"] = ran(maker("run", key=f"own-{tag}-{maker.release}"))
+        won[f"own-{tag}-{one.release}"] = ran(one("run", key=f"own-{tag}-{one.release}"))
     assert {answer["by"] for answer in won.values()} == {"previous", "current"}
 
     # Each release replays what the other committed, equal.
     for key, answer in won.items():
-        other = new if answer["by"] == "previous" else old
-        assert replayed(other("run", key=key))["value"] == answer["value"], key
+        replayer = new if answer["by"] == "previous" else old
+        assert replayed(replayer("run", key=key))["value"] == answer["value"], key
 
     counted = charges(provider)
     assert {key: counted[key] for key in won} == dict.fromkeys(won, 1)
