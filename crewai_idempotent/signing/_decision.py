@@ -130,12 +130,13 @@ class Decision:
     `denial`, `found`, `absent` or `cap_change`). Raises `ValueError` for a field that is
     missing, not its kind's, or malformed.
 
-    kind: approve, deny, resolve-found, resolve-absent or cap. by: the identity of the
-    key that signs it. via: where it was made (cli, console, slack, api, sweeper). at:
-    when (seconds since the epoch). reason: why, as people wrote it. request, round,
-    key, fingerprint, until: an approval's request id, round, call and grant deadline.
-    token, receipt: a resolution's record fencing token and receipt digest. cap, limit,
-    currency, window: a cap's name, new limit in minor units, currency and window.
+    `kind`: approve, deny, resolve-found, resolve-absent or cap. `by`: the identity of
+    the key that signs it. `via`: where it was made (cli, console, slack, api, sweeper).
+    `at`: when (seconds since the epoch). `reason`: why, as people wrote it. `request`,
+    `round`, `key`, `fingerprint`, `until`: an approval's request id, round, call
+    (idempotency key and the fingerprint of its arguments) and grant deadline. `token`,
+    `receipt`: a resolution's record fencing token and receipt digest. `cap`, `limit`,
+    `currency`, `window`: a cap's name, new limit in minor units, currency and window.
     """
 
     kind: str
@@ -309,7 +310,7 @@ class Decision:
 
     def to_json(self) -> dict[str, Any]:
         """The decision as plain JSON: its domain tag, version and every field it has (the
-        form stored beside its signature)."""
+        form stored beside its signature). Raises nothing."""
         doc: dict[str, Any] = {"domain": DOMAIN, "v": VERSION}
         for spec in fields(self):
             value = getattr(self, spec.name)
@@ -321,11 +322,12 @@ class Decision:
         return doc
 
     def canonical(self) -> bytes:
-        """The bytes that are signed: RFC 8785 canonical JSON of `to_json()`."""
+        """The bytes that are signed: RFC 8785 canonical JSON of `to_json()`. Raises
+        nothing (every field was checked when the decision was made)."""
         return rfc8785.dumps(self.to_json())
 
     def challenge(self) -> bytes:
-        """The WebAuthn challenge for it: the SHA-256 of `canonical()`."""
+        """The WebAuthn challenge for it: the SHA-256 of `canonical()`. Raises nothing."""
         return hashlib.sha256(self.canonical()).digest()
 
     @classmethod

@@ -48,7 +48,8 @@ class SignatureEnvelope:
                 )
 
     def to_json(self) -> dict[str, Any]:
-        """The envelope as plain JSON (bytes as base64url), the form stored in the ledger."""
+        """The envelope as plain JSON (bytes as base64url), the form stored in the ledger.
+        Raises nothing."""
         doc: dict[str, Any] = {
             "v": VERSION, "alg": self.algorithm, "key": self.key_id, "sig": b64url(self.signature)
         }  # fmt: skip

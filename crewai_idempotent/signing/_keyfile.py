@@ -36,6 +36,10 @@ from ._keys import ROLES, parse_roles, render_line
 
 WHAT = "signing key file"
 _HEADER = re.compile(r"^#\s*(identity|roles)\s*:\s*(\S*)\s*$")
+_ENCRYPTED = (
+    "{where} holds an encrypted key: signing keys are kept unencrypted, 0600 (protect the "
+    "file, or the secret store it comes from)"
+)
 _BEGIN, _END = "-----BEGIN PRIVATE KEY-----", "-----END PRIVATE KEY-----"
 
 
@@ -90,10 +94,7 @@ class Signer:
         try:
             key = serialization.load_pem_private_key(pem.encode(), password=None)
         except TypeError:
-            raise SigningConfigurationError(
-                f"{where} holds an encrypted key: signing keys are kept unencrypted, 0600 "
-                "(protect the file, or the secret store it comes from)"
-            ) from None
+            raise SigningConfigurationError(_ENCRYPTED.format(where=where)) from None
         except ValueError as exc:
             raise SigningConfigurationError(
                 f"{where} holds no private key PEM can read: {exc}"
@@ -179,6 +180,13 @@ def _split(text: str, where: str) -> tuple[dict[str, str], str]:
         stripped = line.strip()
         if stripped == _BEGIN:
             break
+        if stripped == "-----BEGIN ENCRYPTED PRIVATE KEY-----":
+            raise SigningConfigurationError(_ENCRYPTED.format(where=where))
+        if stripped.startswith("-----BEGIN "):
+            raise SigningConfigurationError(
+                f"{where} holds a block of {stripped.strip('-').removeprefix('BEGIN ')}, not "
+                "an unencrypted PKCS #8 private key (`crewai-idempotent keys new` writes one)"
+            )
         match = _HEADER.match(stripped)
         if match:
             headers[match.group(1)] = match.group(2)

@@ -26,6 +26,7 @@ import base64
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -48,8 +49,9 @@ _RP_ID = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 class TrustedKey:
     """One trusted public key: its `roles`, `algorithm`, `public_key` (bytes: raw
     Ed25519, or a passkey's COSE key), the `identity` it belongs to, its `options`
-    (a passkey's credential, rp, origin, uv), its `key_id` and the `source` it was read
-    from (a file and line)."""
+    (a passkey's credential, rp, origin, uv), its `key_id`, the `source` it was read
+    from (a file and line) and its `verifier` (the public key object, made once). Made by
+    `parse_line`, which raises; raises nothing itself."""
 
     roles: frozenset[str]
     algorithm: str
@@ -58,8 +60,11 @@ class TrustedKey:
     options: Mapping[str, str]
     key_id: str
     source: str
-    # The public key object (Ed25519) made once when the line was read.
+    # The public key object made once when the line was read.
     verifier: Any = field(default=None, compare=False, repr=False)
+
+    def __hash__(self) -> int:  # a set of the keys that signed counts each once
+        return hash(self.key_id)
 
     @property
     def credential_id(self) -> bytes | None:
@@ -84,7 +89,7 @@ class TrustedKey:
         return self.options.get("uv") == "required"
 
     def line(self) -> str:
-        """The trusted keys line that reads back as this key."""
+        """The trusted keys line that reads back as this key. Raises nothing."""
         encoded = (
             base64.b64encode(self.public_key).decode()
             if self.algorithm == "ed25519"
@@ -191,7 +196,8 @@ def parse_line(text: str, where: str) -> TrustedKey | None:
         verifier = check_cose_key(public_key, where)
     return TrustedKey(
         roles=roles, algorithm=algorithm, public_key=public_key, identity=identity,
-        options=options, key_id=key_id(algorithm, public_key), source=where, verifier=verifier,
+        options=MappingProxyType(options), key_id=key_id(algorithm, public_key), source=where,
+        verifier=verifier,
     )  # fmt: skip
 
 

@@ -115,7 +115,7 @@ class TrustedKeys:
 
     @classmethod
     def load(cls, source: TrustedKeys | str | os.PathLike[str] | Iterable[str]) -> TrustedKeys:
-        """What configure() is given as trusted keys: `TrustedKeys` as they are, a path
+        """The keys `source` names, as configure() is given them: `TrustedKeys` as they are, a path
         (str or Path) to a file, or lines (a list or tuple of str). Raises
         `SigningConfigurationError` as `from_file` or `from_lines` does, and `TypeError`
         for anything else."""

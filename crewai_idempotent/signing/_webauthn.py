@@ -156,5 +156,6 @@ def passkey_line(
 
 
 def passkey_key_id(cose_public_key: bytes) -> str:
-    """The key id of a passkey's COSE public key (as its trusted line's key has)."""
+    """The key id of the passkey whose COSE public key is `cose_public_key` (as its
+    trusted line's key has): what its envelopes name. Raises nothing."""
     return key_id("webauthn", cose_public_key)
