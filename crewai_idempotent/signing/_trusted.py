@@ -17,7 +17,6 @@ until it is two seconds older than when it was read, each use compares its bytes
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -75,7 +74,6 @@ class TrustedKeys:
         """`keys` by key id, read from `path` (None: lines given directly); use the
         classmethods instead. Raises nothing."""
         self.path = path
-        self._lock = threading.Lock()
         self._loaded = _Loaded(dict(keys), None, None, 0)
 
     # -- making one ----------------------------------------------------------------------
@@ -115,12 +113,15 @@ class TrustedKeys:
 
     @classmethod
     def load(cls, source: TrustedKeys | str | os.PathLike[str] | Iterable[str]) -> TrustedKeys:
-        """The keys `source` names, as configure() is given them: `TrustedKeys` as they are, a path
-        (str or Path) to a file, or lines (a list or tuple of str). Raises
+        """The keys `source` names, as configure() is given them: `TrustedKeys` as they
+        are, a path (str or Path) to a file, or lines (a list or tuple of str, or one str
+        holding a newline). Raises
         `SigningConfigurationError` as `from_file` or `from_lines` does, and `TypeError`
         for anything else."""
         if isinstance(source, TrustedKeys):
             return source
+        if isinstance(source, str) and "\n" in source:
+            return cls.from_lines(source, "trusted keys given to configure()")
         if isinstance(source, str | os.PathLike):
             return cls.from_file(source)
         if isinstance(source, Iterable) and not isinstance(source, bytes | Mapping):
@@ -165,10 +166,9 @@ class TrustedKeys:
             if not changed and time.time_ns() >= loaded.racy_until_ns:
                 loaded = self._loaded = _Loaded(loaded.keys, loaded.signature, loaded.data, 0)
         if changed:
-            with self._lock:
-                if self._loaded is loaded:
-                    self._loaded = self._read()
-                loaded = self._loaded
+            # No lock: two threads that see the change both read the file, and either
+            # reading is right; a lock held across fork() would hang the child instead.
+            loaded = self._loaded = self._read()
         return loaded.keys
 
     def get(self, key_id: str) -> TrustedKey | None:

@@ -89,6 +89,7 @@ def test_load_takes_a_path_lines_or_trusted_keys(tmp_path: Path, alice: Signer) 
     assert TrustedKeys.load(path).path == path
     assert TrustedKeys.load(str(path)).get(alice.key_id) is not None
     assert TrustedKeys.load([alice.trusted_line()]).path is None
+    assert len(TrustedKeys.load(f"# alice\n{alice.trusted_line()}\n")) == 1
     same = TrustedKeys.load(path)
     assert TrustedKeys.load(same) is same
     with pytest.raises(TypeError, match="not int"):

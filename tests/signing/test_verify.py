@@ -219,3 +219,25 @@ def test_keys_given_as_lines_are_never_a_file(alice: Signer) -> None:
     with pytest.raises(SigningConfigurationError, match="line 1"):
         TrustedKeys.from_lines([line.replace("ed25519", "ed448")])
     assert base64.b64decode(line.split()[2]) == alice.public_key
+
+
+def test_importing_signing_loads_no_crypto_and_ed25519_keys_load_no_webauthn(
+    tmp_path: Path, alice: Signer
+) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "trusted_keys"
+    path.write_text(alice.trusted_line() + "\n")
+    probe = (
+        "import sys\n"
+        "import crewai_idempotent.signing as s\n"
+        "before = sorted(m for m in ('cryptography', 'webauthn') if m in sys.modules)\n"
+        f"s.TrustedKeys.from_file({str(path)!r})\n"
+        "after = sorted(m for m in ('cryptography', 'webauthn') if m in sys.modules)\n"
+        "print(before, after)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[] ['cryptography']", done.stdout + done.stderr
