@@ -126,7 +126,7 @@ def render_line(
 def parse_roles(text: str, where: str) -> frozenset[str]:
     """The roles a comma-separated list names. Raises `SigningConfigurationError` for an
     empty list or an unknown role."""
-    roles = [r for r in text.split(",")]
+    roles = text.split(",")
     unknown = [r for r in roles if r not in ROLES]
     if not text or unknown:
         raise SigningConfigurationError(
