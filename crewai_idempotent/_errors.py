@@ -131,6 +131,43 @@ class LedgerConfigurationError(IdempotencyError, ValueError):
     the agent as a tool error. Nothing was run."""
 
 
+class SigningConfigurationError(LedgerConfigurationError):
+    """A signing setting cannot be used: a key file that does not parse, that group or
+    others may read or write, or that another user owns; a trusted keys file or line
+    that does not parse, names an unknown algorithm or role, or that another user could
+    change; a passkey line in a process without the `passkeys` extra. Raised where it is
+    given (configure(), a `Signer`, the CLI) and, for a trusted keys file read again
+    after it changed, where it is next used: never a silent unsigned mode. Nothing was
+    run."""
+
+
+class DecisionRefused(IdempotencyError):
+    """A decision (an approval, a denial, a resolution, a cap) is not obeyed: unsigned,
+    its signature does not verify, or the key that signed it is not trusted for it.
+
+    `subject` names what it was for (the approval request, the idempotency key or the
+    cap), `reason` says in one word what failed (`signing.REASONS`: unsigned, malformed,
+    untrusted-key, algorithm, role, kind, identity, signature, credential, challenge,
+    origin, rp-id, user-presence, user-verification, client-data), `detail` how, and
+    `key_id` the key the signature named (None when there was none)."""
+
+    def __init__(
+        self,
+        subject: str,
+        reason: str,
+        detail: str,
+        *,
+        kind: str = "decision",
+        key_id: str | None = None,
+    ) -> None:
+        self.subject = subject
+        self.reason = reason
+        self.detail = detail
+        self.kind = kind
+        self.key_id = key_id
+        super().__init__(f"{kind} for {subject} refused ({reason}): {detail}; it is not obeyed")
+
+
 class GuardInactive(IdempotencyError, RuntimeError):
     """A tool that must only run guarded (`IdempotentTool`, `@idempotent_tool`) was called
     while the crewai integration is not installed; nothing was run."""

@@ -35,20 +35,27 @@ def _owner_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def check_trusted(st: os.stat_result, path: Path, what: str) -> None:
-    """Refuse `path` (described by `st`) if another user owns it or may write to it."""
+def tamper_risk(st: os.stat_result, path: Path, what: str) -> str | None:
+    """Why another local user could change `path` (described by `st`): it is theirs, or
+    group or others may write to it. None when neither. (The signing keys' files are
+    judged by the same rule: `signing/_files`.)"""
     me = os.geteuid()
     if st.st_uid not in (me, 0):
-        raise LedgerUnavailable(
+        return (
             f"{what} {path} is owned by {_owner_name(st.st_uid)}, not by this user "
-            f"({_owner_name(me)}) or root: its owner could rewrite or erase receipts "
-            f"({_OVERRIDE})"
+            f"({_owner_name(me)}) or root"
         )
     if st.st_mode & _UNSAFE_BITS:
-        raise LedgerUnavailable(
-            f"{what} {path} is writable by group or others (mode {stat.filemode(st.st_mode)}): "
-            f"another user could rewrite or erase receipts ({_OVERRIDE})"
-        )
+        return f"{what} {path} is writable by group or others (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def check_trusted(st: os.stat_result, path: Path, what: str) -> None:
+    """Refuse `path` (described by `st`) if another user owns it or may write to it."""
+    risk = tamper_risk(st, path, what)
+    if risk is not None:
+        who = "another user" if st.st_uid in (os.geteuid(), 0) else "its owner"
+        raise LedgerUnavailable(f"{risk}: {who} could rewrite or erase receipts ({_OVERRIDE})")
 
 
 def check_existing_file(path: Path, what: str, allow_insecure: bool) -> os.stat_result | None:

@@ -40,6 +40,7 @@ from ._console import console
 from ._demos import demo, demo_approvals
 from ._doctor import doctor
 from ._gates import approvals, spend
+from ._keys import keys
 from ._ledger import export, list_records, purge, resolve, show
 from ._notify import notifications, notify
 from ._output import safe
@@ -136,3 +137,4 @@ for _command in (
 ):
     _accept_ledger(_command)
     main.add_command(_command)
+main.add_command(keys)  # trusted keys live outside the ledger: no --ledger

@@ -42,6 +42,7 @@ def test_the_all_extra_holds_every_optional_backend_and_integration() -> None:
     users = set(extras) - {"all", "test", "bench"}  # the others are for working on this
     assert users == {
         "postgres", "redis", "otel", "stripe", "http", "notify", "apprise", "console",
+        "passkeys",
     }, "a new extra: add it to [all] too"  # fmt: skip
     # An extra may share a requirement with another (httpx: the verifiers and the channels).
     assert sorted(extras["all"]) == sorted({dep for name in users for dep in extras[name]})
