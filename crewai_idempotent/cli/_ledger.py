@@ -62,7 +62,7 @@ def _state(ledger: Ledger, record: Record, now: float) -> str:
     return status
 
 
-def _stale(ledger: Ledger, record: Record, now: float) -> bool:
+def is_stale(ledger: Ledger, record: Record, now: float) -> bool:
     if record.status is not Status.PENDING:
         return False
     left = _lease_left(ledger, record, now)
@@ -144,7 +144,7 @@ def _select(
     found = ledger.select(query) if order is not Order.KEY else streamed(ledger.backend, query)
 
     def shown(record: Record) -> bool:
-        if stale and not _stale(ledger, record, now):
+        if stale and not is_stale(ledger, record, now):
             return False
         return not (hide_entries and is_entry(record))
 
@@ -170,7 +170,7 @@ def list_records(where: Where, as_json: bool, **filters: Any) -> None:
     ledger, found, now = _select(where, filters, Order.OLDEST, entries=False)
     with ledger_errors(where.scrub):
         if as_json:
-            rows = (json.loads(r.to_json()) | {"stale": _stale(ledger, r, now)} for r in found)
+            rows = (json.loads(r.to_json()) | {"stale": is_stale(ledger, r, now)} for r in found)
             for text in machine_array(rows):
                 click.echo(text, nl=False)
             click.echo()
@@ -257,7 +257,7 @@ def show(where: Where, key: str, as_json: bool) -> None:
     if record is None:
         raise click.ClickException(safe(f"no record for idempotency key {key!r} in {where.label}"))
     if as_json:
-        click.echo(machine(json.loads(record.to_json()) | {"stale": _stale(ledger, record, now)}))
+        click.echo(machine(json.loads(record.to_json()) | {"stale": is_stale(ledger, record, now)}))
         return
 
     # rich's tables cost start-up time that the other commands need not pay.
