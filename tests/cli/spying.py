@@ -107,10 +107,14 @@ class Spy(CacheBackend):
         self.inner.close()
 
 
+#: Rows `JsonStore` reads per batch of a select.
+BATCH = 50
+
+
 class JsonStore(CacheBackend):
-    """Records kept as JSON text, with an index of (updated_at, key) per status kept
-    sorted: `select` walks the index in the query's order and decodes a record only to
-    yield it (or to test what the index cannot tell), as an indexed store reads rows."""
+    """Records kept as JSON text, with an index of (updated_at, key) kept sorted and each
+    key's status beside it: `select` walks the index in the query's order a batch at a
+    time and decodes a record only to test and yield it, as an indexed store reads rows."""
 
     def __init__(self) -> None:
         self._docs: dict[str, str] = {}
@@ -163,23 +167,48 @@ class JsonStore(CacheBackend):
                 yield record
 
     def select(self, query: Select) -> Iterator[Record]:
-        with self._lock:
-            if query.order is Order.KEY:
-                keys = sorted(self._status)
-            else:
-                keys = [key for _at, key in self._by_time]
-                if query.order is Order.NEWEST:
-                    keys.reverse()
-            wanted = [k for k in keys if query.status in (None, self._status[k][0])]
+        """Batches of `BATCH` rows, each read from the index after the position the last
+        one ended at, as the stores page: a record written meanwhile moves in the order
+        and may be met again (or not at all) as the stores' streams promise."""
+        after = query.after
         sent = 0
-        for key in wanted:  # keys only: the index, not the records
-            record = self.get(key)
-            if record is None or not (query.matches(record) and query.beyond(record)):
-                continue
-            yield record
-            sent += 1
-            if query.limit is not None and sent >= query.limit:
+        while True:
+            with self._lock:
+                batch = self._batch(query, after)
+            if not batch:
                 return
+            for position, text in batch:
+                after = position
+                record = Record.from_json(text)
+                if not query.matches(record):
+                    continue
+                yield record
+                sent += 1
+                if query.limit is not None and sent >= query.limit:
+                    return
+
+    def _batch(self, query: Select, after: Any) -> list[tuple[Any, str]]:
+        if query.order is Order.KEY:
+            keys = sorted(self._status)
+            start = 0 if after is None else bisect.bisect_right(keys, after)
+            found = ((key, key) for key in keys[start:])
+        elif query.order is Order.OLDEST:
+            start = 0 if after is None else bisect.bisect_right(self._by_time, tuple(after))
+            found = ((entry, entry[1]) for entry in self._by_time[start:])
+        else:
+            end = (
+                len(self._by_time)
+                if after is None
+                else bisect.bisect_left(self._by_time, tuple(after))
+            )
+            found = ((entry, entry[1]) for entry in reversed(self._by_time[:end]))
+        batch = []
+        for position, key in found:
+            if query.status is None or self._status[key][0] is query.status:
+                batch.append((position, self._docs[key]))
+                if len(batch) == BATCH:
+                    break
+        return batch
 
 
 def opened_as(monkeypatch: pytest.MonkeyPatch, make: Callable[[str], CacheBackend]) -> None:
