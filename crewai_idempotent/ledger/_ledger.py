@@ -804,9 +804,10 @@ def streamed(backend: CacheBackend, query: Select) -> Iterator[Record]:
     `select` itself (from its indexes, in batches) is asked; one that does not (the
     default `CacheBackend.select`, which sorts what it matched and so holds it all) is read
     by the scan of the query's prefix or status, filtered as it streams, in the scan's
-    order (the key's, for the package's stores). Raises `ValueError` for a query with an
-    order other than the key's, an `after` or a `limit` (a page: ask `select`), and what
-    the scan raises while it is iterated."""
+    order (the key's, for the package's stores); a wrapper with a `select` of its own that
+    passes the query on to a store without one holds what matched. Raises `ValueError` for
+    a query with an order other than the key's, an `after` or a `limit` (a page: ask
+    `select`), and what the scan raises while it is iterated."""
     if query.order is not Order.KEY or query.after is not None or query.limit is not None:
         raise ValueError(f"streamed() reads a whole select in the store's order, not {query!r}")
     if type(backend).select is not CacheBackend.select:
