@@ -36,6 +36,7 @@ from ._errors import (
     SpendCapExceeded,
 )
 from .ledger._record import Record, Status
+from .ledger._select import Select
 
 if TYPE_CHECKING:
     from .ledger._ledger import Ledger
@@ -363,7 +364,8 @@ class _UncertainWatch:
         for ledger in list(self.ledgers):
             label = backend_label(ledger.backend)
             try:
-                found = sum(1 for r in ledger.records() if r.status is Status.UNCERTAIN)
+                # From the store's index of the status: the gauge reads what it counts.
+                found = sum(1 for _ in ledger.select(Select(status=Status.UNCERTAIN)))
             except Exception:  # noqa: BLE001 - a ledger that does not answer keeps its last count
                 continue
             counts[label] = counts.get(label, 0) + found
@@ -389,8 +391,8 @@ _uncertain_watch = _UncertainWatch()
 
 def watch_uncertain(ledger: Ledger, *, interval_s: float = 60.0) -> None:
     """Report `ledger`'s open UNCERTAIN records as the `idempotency.uncertain.open` gauge,
-    counted every `interval_s` seconds on a background thread (reading every record: pick
-    an interval the backend can afford)."""
+    counted every `interval_s` seconds on a background thread (reading the UNCERTAIN
+    records from the store's index of them, not the ledger)."""
     if interval_s <= 0:
         raise ValueError(f"interval_s must be more than 0 seconds, not {interval_s!r}")
     watch = _uncertain_watch

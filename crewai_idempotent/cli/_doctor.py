@@ -23,7 +23,7 @@ import click
 
 from _crewai_idempotent_autoload import autoload_enabled
 
-from .. import Status
+from .. import Ledger, Status
 from .._units import ago
 from ..backends._url import local_path
 from ..integration import _verify, default_ledger_path
@@ -32,6 +32,8 @@ from ..integration._ledgers import describe_default
 from ..integration._patch import is_supported, is_tested, newest_tested, supported_range
 from ..integration.offline._selftest_process import run_in_subprocess
 from ..ledger._backend import url_of
+from ..ledger._select import Select
+from ._ledger import is_stale
 from ._output import console, safe, stamp
 from ._where import Where
 
@@ -172,21 +174,66 @@ def _mode_facts(path: Path, required: bool, out: _Report) -> None:
 def _open_facts(where: Where, out: _Report) -> None:
     try:
         ledger = where.ledger()
-        counts = {status: 0 for status in Status}
-        for record in ledger.records():
-            counts[record.status] += 1
+        found = _open_records(ledger)
     except click.ClickException as exc:
         out.problem("reachable", exc.format_message())
         return
     except Exception as exc:  # noqa: BLE001 - any failure to read is what doctor reports
         out.problem("reachable", f"no: {type(exc).__name__}: {exc}")
         return
-    summary = ", ".join(f"{counts[s]} {s.value.lower()}" for s in Status)
+    # Only what needs a person or a sweeper is counted: a count of the committed (or
+    # failed) records would read every one of them, and they grow with every call.
+    pending, stale, uncertain, flagged = found
+    summary = (
+        f"{pending} pending ({stale} stale), {uncertain} uncertain, "
+        f"{flagged} flagged for an operator"
+    )
     out.fact("reachable", f"yes: {url_of(ledger.backend)}; {summary}")
-    if counts[Status.UNCERTAIN]:
-        out.fact("", "uncertain records wait for a decision: ls --status uncertain")
+    for count, what, args in (
+        (uncertain, "uncertain records wait for a decision", ("ls", "--status", "uncertain")),
+        (stale, "stale claims wait for a sweeper or a decision", ("ls", "--stale")),
+        (flagged, "two executions may have happened", ("ls", "--needs-operator")),
+    ):
+        if count:
+            out.fact("", f"{what}: {where.command(*args)}")
+    _index_facts(ledger.backend, out)
     _outbox_facts(ledger, out)
     _durability_facts(ledger.backend, out)
+
+
+def _open_records(ledger: Ledger) -> tuple[int, int, int, int]:
+    """PENDING records (and how many of them are stale), UNCERTAIN ones, and those flagged
+    for an operator: each read by its own select, so doctor reads what it reports."""
+    now = ledger.backend.now()
+    pending = stale = 0
+    for record in ledger.select(Select(status=Status.PENDING)):
+        pending += 1
+        stale += is_stale(ledger, record, now)
+    uncertain = sum(1 for _ in ledger.select(Select(status=Status.UNCERTAIN)))
+    flagged = sum(1 for _ in ledger.select(Select(needs_operator=True)))
+    return pending, stale, uncertain, flagged
+
+
+def _index_facts(backend: Any, out: _Report) -> None:
+    """Whether the store's listings read from its indexes yet: a ledger made by an earlier
+    version gets them when this one opens it, and until they are built a listing answers
+    by reading more. A store that cannot say is left unsaid."""
+    ready = getattr(backend, "indexes_ready", None)
+    if not callable(ready):
+        return
+    try:
+        built = ready()
+    except Exception as exc:  # noqa: BLE001 - reported, never a crash of doctor
+        out.fact("indexes", f"cannot tell: {type(exc).__name__}: {exc}")
+        return
+    if built:
+        out.fact("indexes", "ready: listings read only what they show")
+    else:
+        out.fact(
+            "indexes",
+            "not built yet (this version builds them on the ledger an earlier one made): "
+            "listings answer right meanwhile, reading more of the ledger",
+        )
 
 
 def _outbox_facts(ledger: Any, out: _Report) -> None:

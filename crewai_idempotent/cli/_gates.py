@@ -6,6 +6,7 @@ They use the same `--ledger` as the record commands; the gates' state lives in i
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -15,7 +16,8 @@ from .._errors import ApprovalAlreadyDecided, ApprovalNotFound
 from .._units import exponent, format_money
 from ..gates._approvals import ApprovalState
 from ..ledger._record import _whoami
-from ._output import duration, ledger_errors, safe, stamp
+from ..ledger._select import Order, Position
+from ._output import duration, ledger_errors, machine_array, safe, stamp
 from ._where import Where
 
 _LS_SUMMARY = 200  # characters of the arguments `approvals ls` shows on a request's line
@@ -48,25 +50,45 @@ def approvals() -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_obj
 def list_approvals(where: Where, state: str, as_json: bool) -> None:
-    """List approval requests (pending ones by default)."""
+    """List approval requests (pending ones by default), the least recently asked or
+    decided first: read a page at a time from the store's index of requests by state."""
     with ledger_errors(where.scrub):
-        found = _approvals(where).list(None if state.lower() == "all" else state)
-    if as_json:
-        click.echo(json.dumps([_doc(r) for r in found], indent=2, sort_keys=True))
-        return
-    if not found:
-        click.echo(f"no {state.lower()} approval requests in {where.label}")
-        return
-    for r in found:
-        summary = json.dumps(r.summary, sort_keys=True, default=str)
-        if len(summary) > _LS_SUMMARY:  # one line per request; `show` prints the whole call
-            summary = summary[: _LS_SUMMARY - 1] + "…"
-        click.echo(
-            safe(
-                f"{r.id}  {r.state.value:<8}  {r.tool}  {summary}  key={r.key!r}  "
-                f"asked {_stamp(r.created_at)}"
+        found = _requests(_approvals(where), None if state.lower() == "all" else state)
+        if as_json:
+            for text in machine_array(_doc(r) for r in found):
+                click.echo(text, nl=False)
+            click.echo()
+            return
+        shown = 0
+        for r in found:
+            summary = json.dumps(r.summary, sort_keys=True, default=str)
+            if len(summary) > _LS_SUMMARY:  # one line per request; `show` prints the whole call
+                summary = summary[: _LS_SUMMARY - 1] + "…"
+            click.echo(
+                safe(
+                    f"{r.id}  {r.state.value:<8}  {r.tool}  {summary}  key={r.key!r}  "
+                    f"asked {_stamp(r.created_at)}"
+                )
             )
-        )
+            shown += 1
+    if not shown:
+        click.echo(f"no {state.lower()} approval requests in {where.label}")
+
+
+#: Requests read per select of `approvals ls`: what it holds at once, whatever the ledger.
+_PAGE = 200
+
+
+def _requests(store: Approvals, state: str | None) -> Iterator[ApprovalRequest]:
+    """The requests in `state` (None: every one), oldest update first, a page at a time:
+    each page one select that continues after the last request of the one before."""
+    after: Position | None = None
+    while True:
+        page = list(store.select(state, order=Order.OLDEST, after=after, limit=_PAGE))
+        yield from page
+        if len(page) < _PAGE:
+            return
+        after = page[-1].position
 
 
 @approvals.command("show")
@@ -176,15 +198,29 @@ def _decide(where: Where, rid: str, grant: bool, reason: str, ttl: float | None)
 
 
 @click.command("spend")
+@click.option(
+    "--since",
+    default="24h",
+    show_default=True,
+    metavar="AGE",
+    help="Also the kickoff, task and day windows written within AGE (held and total or "
+    "crew windows are always shown).",
+)
+@click.option("--all", "every", is_flag=True, help="Every window in the ledger (reads them all).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_obj
-def spend(where: Where, as_json: bool) -> None:
+def spend(where: Where, since: str, every: bool, as_json: bool) -> None:
     """Budgets per spend cap window: limit, committed, reserved, available.
 
+    The windows that count now: those where calls hold money, every total and crew
+    window, and the kickoff, task and day windows written within --since (the windows
+    of past kickoffs, one per kickoff, stay in the ledger: --all shows them too).
     Amounts are shown in the currency's major units (1,200.00 EUR); `--json` gives them in
     minor units, as the caps are set, with the currency's exponent beside them."""
+    recent_s = duration(since)
+    assert recent_s is not None
     with ledger_errors(where.scrub):
-        budgets = SpendLedger(where.ledger().backend).budgets()
+        budgets = SpendLedger(where.ledger().backend).budgets(every=every, recent_s=recent_s)
     if as_json:
         rows = [
             {
@@ -199,7 +235,13 @@ def spend(where: Where, as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
     if not budgets:
-        click.echo(f"no spend caps have been used in {where.label}")
+        if every:
+            click.echo(f"no spend caps have been used in {where.label}")
+        else:
+            click.echo(
+                f"no spend cap window counts now in {where.label}; every one, however old: "
+                + where.command("spend", "--all")
+            )
         return
     for b in budgets:
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -14,7 +16,9 @@ from .. import Ledger, LedgerUnavailable, Record, Status
 from ..gates._approvals import KIND as APPROVALS
 from ..gates._gatestore import PREFIX, is_document
 from ..gates._spend import KIND as SPEND
+from ..ledger._ledger import streamed
 from ..ledger._results import describe, unrestorable
+from ..ledger._select import Order, Select
 from ..notifications._outbox import OUTBOX, is_entry
 from ._gates import TYPED_NAME_REFUSED
 from ._output import (
@@ -25,6 +29,7 @@ from ._output import (
     duration,
     ledger_errors,
     machine,
+    machine_array,
     safe,
     stamp,
     when,
@@ -57,7 +62,7 @@ def _state(ledger: Ledger, record: Record, now: float) -> str:
     return status
 
 
-def _stale(ledger: Ledger, record: Record, now: float) -> bool:
+def is_stale(ledger: Ledger, record: Record, now: float) -> bool:
     if record.status is not Status.PENDING:
         return False
     left = _lease_left(ledger, record, now)
@@ -92,83 +97,125 @@ def _filters(function: Any) -> Any:
     return function
 
 
-def _select(
-    where: Where, filters: dict[str, Any], entries: bool = True
-) -> tuple[Ledger, Iterator[Record], float]:
-    """The ledger, the records `filters` pick (streamed in the store's key order: iterate
-    them inside `ledger_errors`, where a read that fails is said as the others are), and
-    the store's time the filters were judged by."""
+def _query(filters: dict[str, Any], now: float, order: Order) -> Select | None:
+    """The one `Select` the filters make, judged at the store's time `now`; None when no
+    record can match (two prefixes that exclude each other, --stale with another status).
+    --stale selects the PENDING records: their leases are judged by the caller."""
     older, newer = duration(filters["older_than"]), duration(filters["newer_than"])
     status, stale = filters["status"], filters["stale"]
-    prefixes = [p for p in (filters["prefix"],) if p is not None]
-    if filters["tool"] is not None:
-        prefixes.append(f"{filters['tool']}:")
-    # The outbox's entries have their own command (`notifications ls`); a --prefix that
-    # names them shows them here too.
-    hide_entries = not entries and not any(
-        p.startswith(OUTBOX[: len(p)]) and len(p) > len(PREFIX) for p in prefixes
-    )
+    wanted = Status(status.upper()) if status else (Status.PENDING if stale else None)
+    if stale and wanted is not Status.PENDING:
+        return None
+    prefix = ""
+    for given in (filters["prefix"], None if filters["tool"] is None else f"{filters['tool']}:"):
+        if given is None or prefix.startswith(given):
+            continue
+        if not given.startswith(prefix):
+            return None  # "a:" and "b:": no key starts with both
+        prefix = given
+    # "At least AGE ago" is at or before now - AGE: the least time after it is the bound.
+    before = None if older is None else math.nextafter(now - older, math.inf)
+    since = None if newer is None else math.nextafter(now - newer, math.inf)
+    return Select(
+        status=wanted, needs_operator=filters["needs_operator"], prefix=prefix,
+        updated_from=since, updated_before=before, order=order,
+    )  # fmt: skip
+
+
+def _select(
+    where: Where, filters: dict[str, Any], order: Order, entries: bool = True
+) -> tuple[Ledger, Iterator[Record], float]:
+    """The ledger, the records `filters` pick in `order` (streamed from the store's
+    indexes: iterate them inside `ledger_errors`, where a read that fails is said as the
+    others are), and the store's time the filters were judged by. `Order.KEY` is read in
+    the store's own order (`streamed`), for a reader that takes every record."""
     with ledger_errors(where.scrub):
         ledger = where.ledger()
-        wanted = Status(status.upper()) if status else (Status.PENDING if stale else None)
         now = ledger.backend.now()
+    query = _query(filters, now, order)
+    if query is None:
+        return ledger, iter(()), now
+    # The outbox's entries have their own command (`notifications ls`); a --prefix that
+    # names them shows them here too.
+    hide_entries = not entries and not (
+        query.prefix.startswith(OUTBOX[: len(query.prefix)]) and len(query.prefix) > len(PREFIX)
+    )
+    stale = filters["stale"]
+    found = ledger.select(query) if order is not Order.KEY else streamed(ledger.backend, query)
 
-    def picked(record: Record) -> bool:
-        if stale and not _stale(ledger, record, now):
+    def shown(record: Record) -> bool:
+        if stale and not is_stale(ledger, record, now):
             return False
-        if filters["needs_operator"] and not record.needs_operator:
-            return False
-        if hide_entries and is_entry(record):
-            return False
-        if not all(record.key.startswith(prefix) for prefix in prefixes):
-            return False
-        if older is not None and now - record.updated_at < older:
-            return False
-        return newer is None or now - record.updated_at < newer
+        return not (hide_entries and is_entry(record))
 
-    return ledger, filter(picked, ledger.scan(wanted)), now
+    return ledger, filter(shown, found), now
+
+
+#: Rows of an `ls` table laid out at once: its columns are as wide as the widest cell so
+#: far, so the table streams with flat memory (a wider cell later widens the next rows).
+_CHUNK = 200
 
 
 @click.command("ls")
 @_filters
-@click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON array instead of a table (streamed)."
+)
 @click.pass_obj
 def list_records(where: Where, as_json: bool, **filters: Any) -> None:
-    """List records, oldest update first (the outbox's entries: `notifications ls`)."""
-    ledger, found, now = _select(where, filters, entries=False)
-    with ledger_errors(where.scrub):
-        # A table sizes its columns by every row, and a person reads oldest first.
-        records = sorted(found, key=lambda record: (record.updated_at, record.key))
-    if as_json:
-        click.echo(
-            machine([json.loads(r.to_json()) | {"stale": _stale(ledger, r, now)} for r in records])
-        )
-        return
+    """List records, oldest update first (the outbox's entries: `notifications ls`).
 
-    if not records:
+    Streamed from the store's index of updates: the table is laid out a few hundred rows
+    at a time, each column as wide as its widest cell so far."""
+    ledger, found, now = _select(where, filters, Order.OLDEST, entries=False)
+    with ledger_errors(where.scrub):
+        if as_json:
+            rows = (json.loads(r.to_json()) | {"stale": is_stale(ledger, r, now)} for r in found)
+            for text in machine_array(rows):
+                click.echo(text, nl=False)
+            click.echo()
+            return
+        count = _table(ledger, found, now)
+    if not count:
         click.echo(f"no records match in {where.label}")
         return
-    rows: list[list[str]] = [["KEY", "STATUS", "TOKEN", "OWNER", "UPDATED", "NOTE"]]
-    for record in records:
-        note = record.error or ""
-        if record.status is Status.PENDING:
-            left = _lease_left(ledger, record, now)
-            if left is None:
-                note = "lease renewed by another host: this ledger is shared between hosts"
-            else:
-                note = f"lease {'expires' if left > 0 else 'expired'} {ago(-left)}"
-        owner = record.owner.label if record.owner else "-"
-        age = ago(now - record.updated_at)
-        fields = (record.key, _state(ledger, record, now), str(record.token), owner, age, note)
-        rows.append([safe(field, lines=False) for field in fields])
-    # One line per record, every column whole except the note, which is cut to the terminal.
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    room = max(30, shutil.get_terminal_size((100, 24)).columns - sum(widths) - 2 * 5)
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
-        note = row[5] if len(row[5]) <= room else row[5][: room - 1] + "…"
-        click.echo("  ".join([*cells, note]).rstrip())
-    click.echo(f"{len(records)} record(s) in {where.label}")
+    click.echo(f"{count} record(s) in {where.label}")
+
+
+def _table(ledger: Ledger, records: Iterator[Record], now: float) -> int:
+    """Print `records` as `ls`'s table, a chunk at a time; how many there were. One line
+    per record, every column whole except the note, which is cut to the terminal."""
+    header = ["KEY", "STATUS", "TOKEN", "OWNER", "UPDATED", "NOTE"]
+    widths = [len(name) for name in header[:5]]
+    columns = shutil.get_terminal_size((100, 24)).columns
+    count = 0
+    while True:
+        chunk = [_row(ledger, record, now) for record in itertools.islice(records, _CHUNK)]
+        if not chunk:
+            return count
+        if not count:
+            chunk.insert(0, header)
+        widths = [max(widths[i], *(len(row[i]) for row in chunk)) for i in range(5)]
+        room = max(30, columns - sum(widths) - 2 * 5)
+        for row in chunk:
+            cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+            note = row[5] if len(row[5]) <= room else row[5][: room - 1] + "…"
+            click.echo("  ".join([*cells, note]).rstrip())
+        count += len(chunk) - (0 if count else 1)
+
+
+def _row(ledger: Ledger, record: Record, now: float) -> list[str]:
+    note = record.error or ""
+    if record.status is Status.PENDING:
+        left = _lease_left(ledger, record, now)
+        if left is None:
+            note = "lease renewed by another host: this ledger is shared between hosts"
+        else:
+            note = f"lease {'expires' if left > 0 else 'expired'} {ago(-left)}"
+    owner = record.owner.label if record.owner else "-"
+    age = ago(now - record.updated_at)
+    fields = (record.key, _state(ledger, record, now), str(record.token), owner, age, note)
+    return [safe(field, lines=False) for field in fields]
 
 
 @click.command("export")
@@ -179,11 +226,12 @@ def export(where: Where, **filters: Any) -> None:
 
     One JSON object per line, ASCII only: the record as `show --json` gives it, with each
     history event as an object (at, at_utc, kind, token, by, note). Filters as for `ls`.
-    Streamed in key order, so its memory stays flat however large the ledger is.
+    Streamed in the store's order (the key's), so its memory stays flat however large the
+    ledger is.
     """
-    ledger, records, _ = _select(where, filters)
+    ledger, records, _ = _select(where, filters, Order.KEY)
     # Streamed: one record is written before the next is read, so an export of millions
-    # holds one batch of the store's scan.
+    # holds one batch of the store's read.
     with ledger_errors(where.scrub):
         for record in records:
             doc = json.loads(record.to_json())
@@ -209,7 +257,7 @@ def show(where: Where, key: str, as_json: bool) -> None:
     if record is None:
         raise click.ClickException(safe(f"no record for idempotency key {key!r} in {where.label}"))
     if as_json:
-        click.echo(machine(json.loads(record.to_json()) | {"stale": _stale(ledger, record, now)}))
+        click.echo(machine(json.loads(record.to_json()) | {"stale": is_stale(ledger, record, now)}))
         return
 
     # rich's tables cost start-up time that the other commands need not pay.
@@ -409,30 +457,31 @@ def purge(where: Where, everything: bool, yes: bool) -> None:
     confirmation counts each."""
     if everything and not yes:
         with ledger_errors(where.scrub):
-            counts = _purgeable(where.ledger().scan())
+            counts = _purgeable(where.ledger())
         click.confirm(_purge_warning(where, counts), abort=True, err=True)
     with ledger_errors(where.scrub):
         removed = where.ledger().purge(expired_only=not everything)
     click.echo(f"purged {removed} record(s) from {where.label}")
 
 
-def _purgeable(records: Iterable[Record]) -> dict[str, int]:
+def _purgeable(ledger: Ledger) -> dict[str, int]:
     """What `purge --all` would delete, by kind: receipts and failures, approval
-    requests, spend-cap windows."""
+    requests, spend-cap windows, notifications, the console's accounts. Read as the purge
+    reads them, the COMMITTED and then the FAILED records, streamed: the question costs
+    what the purge deletes, never the PENDING or UNCERTAIN records it keeps."""
     counts = {"receipts": 0, "approvals": 0, "spend": 0, "notifications": 0, "console": 0}
-    for record in records:
-        if record.status not in (Status.COMMITTED, Status.FAILED):
-            continue
-        if is_entry(record):
-            counts["notifications"] += 1
-        elif not is_document(record):
-            counts["receipts"] += 1
-        elif record.key.startswith(PREFIX + APPROVALS):
-            counts["approvals"] += 1
-        elif record.key.startswith(PREFIX + SPEND):
-            counts["spend"] += 1
-        elif record.key.startswith(PREFIX + "console/"):
-            counts["console"] += 1
+    for status in (Status.COMMITTED, Status.FAILED):
+        for record in streamed(ledger.backend, Select(status=status)):
+            if is_entry(record):
+                counts["notifications"] += 1
+            elif not is_document(record):
+                counts["receipts"] += 1
+            elif record.key.startswith(PREFIX + APPROVALS):
+                counts["approvals"] += 1
+            elif record.key.startswith(PREFIX + SPEND):
+                counts["spend"] += 1
+            elif record.key.startswith(PREFIX + "console/"):
+                counts["console"] += 1
     return counts
 
 

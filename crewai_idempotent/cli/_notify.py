@@ -3,9 +3,12 @@ show` (the outbox and every delivery try). See docs/notifications.md."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import shlex
 import signal
 import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -13,7 +16,7 @@ import click
 from .._errors import LedgerConfigurationError
 from .._units import ago
 from ..notifications._outbox import Entry, Outbox, check_id
-from ._output import duration, ledger_errors, machine, safe, stamp
+from ._output import duration, ledger_errors, machine, machine_array, safe, stamp
 from ._where import Where
 
 if TYPE_CHECKING:
@@ -168,46 +171,139 @@ _STATES = ("pending", "delivered", "failing", "waiting", "all")
     "since; waiting: written before a transition that has not happened (yet).",
 )
 @click.option("--type", "type_", metavar="PATTERN", help="Only types matching (approval.*).")
+@click.option(
+    "--limit",
+    default=50,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Delivered entries shown at most, the last delivered first (0: every one).",
+)
+@click.option(
+    "--after",
+    metavar="ENTRY_ID",
+    help="Only the delivered entries delivered before this one (the next page).",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON array instead of a table.")
 @click.pass_obj
-def list_notifications(where: Where, state: str, type_: str | None, as_json: bool) -> None:
-    """Every entry of the outbox, oldest first, with each channel's deliveries."""
+def list_notifications(
+    where: Where, state: str, type_: str | None, limit: int, after: str | None, as_json: bool
+) -> None:
+    """The outbox's entries, each with its channels' deliveries: those not yet moved out
+    (to deliver, failing, waiting; a granted approval until its grant ends) oldest first,
+    then the delivered ones, the last delivered first, --limit at a time (kept until a
+    dispatcher prunes them, 30 days by default)."""
     import fnmatch
 
     wanted = state.lower()
+    if after is not None:
+        try:
+            check_id(after)
+        except ValueError as exc:
+            raise click.BadParameter(safe(str(exc)), param_hint="--after") from None
+        if wanted not in ("all", "delivered"):
+            raise click.UsageError("--after pages the delivered entries: --state delivered")
+
+    def kept(entry: Entry) -> bool:
+        if type_ and not fnmatch.fnmatchcase(entry.type, type_):
+            return False
+        if wanted == "waiting":
+            return entry.state == "waiting"
+        if wanted == "pending":
+            return entry.undelivered
+        if wanted == "delivered":
+            return entry.state == "delivered"
+        return not (wanted == "failing" and not entry.failing)
+
     with ledger_errors(where.scrub):
-        entries = Outbox(where.ledger().backend).entries(waiting=wanted == "waiting")
+        outbox = Outbox(where.ledger().backend)
         now = where.ledger().backend.now()
-    if wanted == "waiting":
-        entries = [e for e in entries if e.state == "waiting"]
-    elif wanted == "pending":
-        entries = [e for e in entries if e.undelivered]
-    elif wanted == "delivered":
-        entries = [e for e in entries if e.state == "delivered"]
-    elif wanted == "failing":
-        entries = [e for e in entries if e.failing]
-    if type_:
-        entries = [e for e in entries if fnmatch.fnmatchcase(e.type, type_)]
-    if as_json:
-        click.echo(machine([_doc(e) for e in entries]))
-        return
-    if not entries:
-        click.echo(f"no {'' if wanted == 'all' else wanted + ' '}notifications in {where.label}")
-        return
-    for entry in entries:
-        deliveries = ", ".join(
-            f"{d.channel} {d.state}" + (f" after {_tries(d.attempts)}" if d.attempts > 1 else "")
-            for d in entry.deliveries
-        ) or ("waiting for its transition" if entry.state == "waiting" else "not yet tried")
-        line = (
-            f"{entry.id}  {entry.type:<19} {entry.state:<10} {ago(now - entry.at):>8}  "
-            f"{entry.summary}  [{deliveries}]"
+        shown: list[Entry] = []
+        if after is None:
+            shown = [e for e in outbox.outstanding(waiting=wanted == "waiting") if kept(e)]
+        found: Iterator[Entry] = iter(())
+        if wanted in ("all", "delivered"):
+            size = min(limit + 1, _PAGE) if limit else _PAGE
+            found = _delivered(outbox, after, kept, {e.id for e in shown}, size)
+        # One more than shown, to know whether to say where the next page starts.
+        delivered = itertools.islice(found, limit + 1) if limit else found
+        last: list[str] = []  # the id of the last delivered entry shown
+        beyond: list[Entry] = []  # the one after it, when --limit left it out
+
+        def listed() -> Iterator[Entry]:
+            yield from shown
+            for n, entry in enumerate(delivered):
+                if limit and n == limit:
+                    beyond.append(entry)
+                    return
+                last[:] = [entry.id]
+                yield entry
+
+        count = 0
+        if as_json:
+            for text in machine_array(_doc(e) for e in listed()):
+                click.echo(text, nl=False)
+            click.echo()
+        else:
+            for entry in listed():
+                click.echo(safe(_line(entry, now), lines=False))
+                count += 1
+    if not as_json:
+        if count:
+            click.echo(f"{count} notification(s) in {where.label}")
+        else:
+            said = "" if wanted == "all" else wanted + " "
+            click.echo(f"no {said}notifications in {where.label}")
+    if beyond and last:
+        more = last[0]
+        words = ["notifications", "ls", "--state", "delivered", "--after", more]
+        if type_:
+            words += ["--type", type_]
+        if limit != 50:
+            words += ["--limit", str(limit)]
+        click.echo(
+            f"more delivered before {more}: {where.command(*map(shlex.quote, words))}",
+            err=as_json,
         )
-        errors = [d for d in entry.deliveries if d.last_error and d.state != "delivered"]
-        if errors:
-            line += f"  last error: {errors[0].last_error}"
-        click.echo(safe(line, lines=False))
-    click.echo(f"{len(entries)} notification(s) in {where.label}")
+
+
+def _delivered(
+    outbox: Outbox, after: str | None, kept: Callable[[Entry], bool], shown: set[str], size: int
+) -> Iterator[Entry]:
+    """The delivered entries that `kept` keeps, the last moved first, after the entry
+    `after`, read `size` at a time: a --type that few match reads on until it finds them.
+    An entry listed already (`shown`: moved while the outbox was read) is skipped."""
+    position = None
+    if after is not None:
+        position = outbox.position(after)
+        if position is None:
+            raise click.ClickException(safe(f"no delivered notification {after}"))
+    while True:
+        page = list(outbox.delivered(after=position, limit=size))
+        for entry in page:
+            if entry.id not in shown and kept(entry):
+                yield entry
+        if len(page) < size:
+            return
+        position = page[-1].position
+
+
+#: Delivered entries read per select, at most.
+_PAGE = 200
+
+
+def _line(entry: Entry, now: float) -> str:
+    deliveries = ", ".join(
+        f"{d.channel} {d.state}" + (f" after {_tries(d.attempts)}" if d.attempts > 1 else "")
+        for d in entry.deliveries
+    ) or ("waiting for its transition" if entry.state == "waiting" else "not yet tried")
+    line = (
+        f"{entry.id}  {entry.type:<19} {entry.state:<10} {ago(now - entry.at):>8}  "
+        f"{entry.summary}  [{deliveries}]"
+    )
+    errors = [d for d in entry.deliveries if d.last_error and d.state != "delivered"]
+    if errors:
+        line += f"  last error: {errors[0].last_error}"
+    return line
 
 
 @notifications.command("show")

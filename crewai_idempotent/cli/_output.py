@@ -11,7 +11,7 @@ import datetime as dt
 import json
 import re
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -115,3 +115,15 @@ def dumps(value: Any) -> str:
 def machine(value: Any, indent: int | None = 2) -> str:
     """JSON for programs: ASCII only, so no byte of it can act on a terminal either."""
     return json.dumps(value, indent=indent, ensure_ascii=True, sort_keys=True)
+
+
+def machine_array(items: Iterable[Any]) -> Iterator[str]:
+    """`machine(list(items))`, written element by element: the text of the same JSON
+    array in pieces, so a listing of millions never holds them all. The pieces joined are
+    exactly what `machine` gives the list (without the final newline)."""
+    first = True
+    for item in items:
+        text = machine(item).replace("\n", "\n  ")
+        yield ("[\n  " if first else ",\n  ") + text
+        first = False
+    yield "[]" if first else "\n]"

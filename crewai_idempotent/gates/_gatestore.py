@@ -61,18 +61,20 @@ def select(
     *,
     state: str | None = None,
     subject: str | None = None,
+    updated_from: float | None = None,
     order: Order = Order.KEY,
     after: Position | None = None,
     limit: int | None = None,
 ) -> Iterator[tuple[Record, dict[str, Any]]]:
-    """The documents of `kind` (and, if given, in `state`, or about the call `subject`),
-    with their records, in `order` from `after` on, at most `limit`: answered from the
-    store's index of the documents by state and subject (`CacheBackend.select`), so a page
-    of pending approvals reads that page, however many were decided before. A record
-    under the prefix that is not a document is skipped, as `scan` skips it."""
+    """The documents of `kind` (and, if given, in `state`, or about the call `subject`,
+    or written at or after `updated_from` by the store's clock), with their records, in
+    `order` from `after` on, at most `limit`: answered from the store's index of the
+    documents by state, subject and time (`CacheBackend.select`), so a page of pending
+    approvals reads that page, however many were decided before. A record under the
+    prefix that is not a document is skipped, as `scan` skips it."""
     query = Select(
-        prefix=PREFIX + kind, state=state, subject=subject, order=order, after=after,
-        limit=limit,
+        prefix=PREFIX + kind, state=state, subject=subject, updated_from=updated_from,
+        order=order, after=after, limit=limit,
     )  # fmt: skip
     for record in backend.select(query):
         if record.status is Status.COMMITTED and record.fingerprint == _FINGERPRINT:

@@ -20,20 +20,25 @@ Entries left behind by a process that died are settled from the ledger itself wh
 call would not otherwise fit, and whenever budgets are shown: the key's record says
 FAILED (released; `resolve --absent` ends there too), COMMITTED (spent), or anything
 else (kept: the money may be gone).
+
+Each write also keeps the window's `state` (held, standing, settled), so that `budgets`
+reads the windows that count now from the store's index of documents by state and by
+time: a per-kickoff cap leaves one window per kickoff behind, which are never read again
+unless asked for (`every=True`, `spend --all`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from .._errors import SpendCapExceeded
 from .._units import format_money
 from ..ledger._backend import CacheBackend
-from ..ledger._record import Status
+from ..ledger._record import Record, Status
 from ..notifications._outbox import Note
 from . import _gatestore
 
@@ -179,6 +184,26 @@ def windows(caps: Iterable[tuple[str, SpendCap]], where: Where, now: float) -> l
     return sorted(found, key=lambda w: w.key)  # one order for everyone
 
 
+#: A window's `state`, kept in its document so that `budgets` reads the windows a person
+#: needs from the store's index of documents by state: HELD while calls hold money in it;
+#: else STANDING for a cap every later call counts against (per "total" or "crew"), and
+#: SETTLED for a kickoff's, a task's or a day's, which later calls leave behind (shown
+#: while it was written recently).
+HELD, STANDING, SETTLED = "held", "standing", "settled"
+_STANDING_PERIODS = ("total", "crew")
+#: How long a settled window is shown by `budgets` after it was last written (a day).
+RECENT_S = 86400.0
+
+
+def _stated(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with the state its reservations and period give it (in place)."""
+    if doc["reserved"]:
+        doc["state"] = HELD
+    else:
+        doc["state"] = STANDING if doc["per"] in _STANDING_PERIODS else SETTLED
+    return doc
+
+
 def _empty(w: Window) -> dict[str, Any]:
     return {
         "kind": "spend",
@@ -291,7 +316,7 @@ class SpendLedger:
                 if share not in warned:
                     doc["warned"] = [*warned, share]
                     doc["warned_by"] = key
-            return doc
+            return _stated(doc)
 
         _gatestore.update(self.backend, w.key, change, _threshold_notes)
 
@@ -310,33 +335,53 @@ class SpendLedger:
                 if spent:
                     doc["committed"] += int(held["amount"])
                 _log(doc, key, held, "committed" if spent else "released")
-                return doc
+                return _stated(doc)
 
             _gatestore.update(self.backend, w.key, change)
 
-    def budgets(self, *, settle: bool = True) -> list[Budget]:
-        """Every cap window in the ledger; with `settle`, reservations whose call is over
-        are shown where they belong (nothing is written). Raises `LedgerUnavailable` if the
-        store cannot be read."""
-        found = []
-        for doc in _gatestore.scan(self.backend, KIND):
+    def budgets(
+        self, *, settle: bool = True, every: bool = False, recent_s: float = RECENT_S
+    ) -> list[Budget]:
+        """The cap windows that count now: those holding reservations, every "total" and
+        "crew" window (each later call counts against them), and the others written in
+        the last `recent_s` seconds (today's, the kickoffs' and tasks' running now), by
+        key. Read from the store's index of the documents by state and by time, so the
+        windows of the kickoffs of months ago, one per kickoff, are not read; `every`: every
+        window in the ledger instead (reading them all). With `settle`, reservations whose
+        call is over are shown where they belong (nothing is written). Raises `ValueError`
+        for a `recent_s` that is not a number of seconds, 0 or more, and
+        `LedgerUnavailable` if the store cannot be read."""
+        if isinstance(recent_s, bool) or not isinstance(recent_s, int | float) or recent_s < 0:
+            raise ValueError(f"recent_s must be a number of seconds, 0 or more, not {recent_s!r}")
+        found: dict[str, Budget] = {}
+        for record, doc in self._windows(every, recent_s):
+            if record.key in found:
+                continue  # a window in two of the selects (held, and written recently)
             if settle:
                 _settle_stale(self.backend, doc)
-            found.append(
-                Budget(
-                    key=f"{_gatestore.PREFIX}{KIND}{doc['scope']}/{doc['cap']}/{doc['window']}",
-                    scope=doc["scope"],
-                    cap=doc["cap"],
-                    per=doc["per"],
-                    window=doc["window"],
-                    currency=doc["currency"],
-                    limit=int(doc["limit"]),
-                    committed=int(doc["committed"]),
-                    reserved=_reserved(doc),
-                    reservations=dict(doc["reserved"]),
-                )
+            found[record.key] = Budget(
+                key=record.key,
+                scope=doc["scope"],
+                cap=doc["cap"],
+                per=doc["per"],
+                window=doc["window"],
+                currency=doc["currency"],
+                limit=int(doc["limit"]),
+                committed=int(doc["committed"]),
+                reserved=_reserved(doc),
+                reservations=dict(doc["reserved"]),
             )
-        return sorted(found, key=lambda b: b.key)
+        return sorted(found.values(), key=lambda b: b.key)
+
+    def _windows(self, every: bool, recent_s: float) -> Iterator[tuple[Record, dict[str, Any]]]:
+        if every:
+            yield from _gatestore.select(self.backend, KIND)
+            return
+        for state in (HELD, STANDING):
+            yield from _gatestore.select(self.backend, KIND, state=state)
+        # Recent ones whatever their state: a window an earlier version wrote has none.
+        since = self.backend.now() - recent_s
+        yield from _gatestore.select(self.backend, KIND, updated_from=since)
 
 
 def _threshold_notes(old: dict[str, Any] | None, new: dict[str, Any]) -> list[Note]:

@@ -45,7 +45,7 @@ from ._policy import (
 from ._reconcile import aask, ask, named, path_of
 from ._record import Record, Status, _whoami
 from ._rooms import _Lanes, _Rooms
-from ._select import Select
+from ._select import Order, Select
 from ._steps import _MISSING, Outcome, Settled, Stage, Step, _Ask, _Call, _Park, _Sleep
 
 # Names other modules import from here: the guard's public face in one place.
@@ -61,6 +61,7 @@ __all__ = [
     "StalePolicy",
     "classify_failure",
     "current_claim",
+    "streamed",
 ]
 
 log = logging.getLogger("crewai_idempotent")
@@ -509,14 +510,23 @@ class Ledger(_Machine):
         read or written."""
         removed = 0
         now = self.backend.now()
-        # Streamed: deleting behind the scan's key cursor is safe, and a batch of records
-        # is all it holds, so a purge of millions keeps its memory flat.
-        for record in self.scan():
-            keep = record.status in (Status.PENDING, Status.UNCERTAIN) or (
-                expired_only and not record.expired(now, self._host)
-            )
-            if not keep and self._drive(self._delete(record)):
-                removed += 1
+        # What a purge reads is what it deletes: the receipts whose expiry passed by the
+        # wall clock (the store's index of expiries), each judged again by the host's
+        # clock too (`Record.expired`), or the COMMITTED and FAILED records by status.
+        # Streamed in the store's batches, each delete a short write of its own: a purge
+        # of millions keeps its memory flat and never holds a claim back for longer than
+        # one delete.
+        queries = (
+            [Select(expired_by=now)]
+            if expired_only
+            else [Select(status=Status.COMMITTED), Select(status=Status.FAILED)]
+        )
+        for query in queries:
+            for record in streamed(self.backend, query):
+                if expired_only and not record.expired(now, self._host):
+                    continue
+                if self._drive(self._delete(record)):
+                    removed += 1
         return removed
 
     def close(self) -> None:
@@ -786,3 +796,21 @@ def _observe(task: asyncio.Future[Any]) -> None:
     # A commit outlives a cancelled caller; its failure is logged where it happens.
     if not task.cancelled() and task.exception() is not None:
         log.debug("ledger write finished after its caller left", exc_info=task.exception())
+
+
+def streamed(backend: CacheBackend, query: Select) -> Iterator[Record]:
+    """The records `query` selects, streamed whatever the store, for a reader that takes
+    them all and needs no order but the store's (`export`, `purge`): a store that answers
+    `select` itself (from its indexes, in batches) is asked; one that does not (the
+    default `CacheBackend.select`, which sorts what it matched and so holds it all) is read
+    by the scan of the query's prefix or status, filtered as it streams, in the scan's
+    order (the key's, for the package's stores); a wrapper with a `select` of its own that
+    passes the query on to a store without one holds what matched. Raises `ValueError` for
+    a query with an order other than the key's, an `after` or a `limit` (a page: ask
+    `select`), and what the scan raises while it is iterated."""
+    if query.order is not Order.KEY or query.after is not None or query.limit is not None:
+        raise ValueError(f"streamed() reads a whole select in the store's order, not {query!r}")
+    if type(backend).select is not CacheBackend.select:
+        return backend.select(query)
+    source = backend.scan_prefix(query.prefix) if query.prefix else backend.scan(query.status)
+    return (record for record in source if query.matches(record))

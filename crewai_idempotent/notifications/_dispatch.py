@@ -1,6 +1,6 @@
 """The dispatcher: delivers one ledger's outbox to its channels.
 
-A pass (`run_once`) reads the entries not yet delivered (`scan_prefix` of the outbox,
+A pass (`run_once`) reads the entries not yet delivered (a select of the outbox's prefix,
 never the whole ledger) and, for each:
 
 1. a waiting entry is looked up (`_outbox.confirmation`): its transition happened
@@ -458,7 +458,9 @@ class Dispatcher:
         self._pruned_at = self._monotonic()
         _incidents.flush_spools(self.backend)
         cutoff = self.backend.now() - self.retain_s
-        for record, doc in delivered(self.backend):
+        # Only those moved before the cutoff are read (an entry is moved once delivered,
+        # so it was delivered before it moved): the store's index of them by time.
+        for record, doc in delivered(self.backend, before=cutoff):
             if float(doc.get("delivered_at") or doc["at"]) < cutoff:
                 self.backend.delete(record)
 

@@ -33,7 +33,7 @@ import hashlib
 import re
 import secrets
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from .._errors import CorruptRecord
 from ..ledger._backend import DOCUMENTS, CacheBackend
 from ..ledger._record import Record, Status
 from ..ledger._results import decode, encode
+from ..ledger._select import Order, Position, Select
 
 #: Entries not yet delivered to every channel.
 OUTBOX = DOCUMENTS + "outbox/"
@@ -325,9 +326,12 @@ class Entry:
     # The write it waits for (key, token, revision, mark); None when it needs none.
     source: dict[str, Any] | None = field(default=None, repr=False)
     seq: int = field(default=0, repr=False)  # the order of entries one write made
+    # Where a delivered entry stands in `Outbox.delivered`'s order: give it as `after` for
+    # the next page. None for one not read by that listing.
+    position: Position | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of(cls, doc: Mapping[str, Any]) -> Entry:
+    def of(cls, doc: Mapping[str, Any], position: Position | None = None) -> Entry:
         claim = doc.get("claim")
         return cls(
             id=doc["id"], type=doc["type"], at=doc["at"], subject=doc.get("subject"),
@@ -341,7 +345,7 @@ class Entry:
             ),
             log=tuple(doc.get("log") or ()), tries=int(doc.get("tries") or 0),
             claimed_by=claim.get("by") if isinstance(claim, dict) else None,
-            source=doc.get("source"), seq=int(doc.get("seq") or 0),
+            source=doc.get("source"), seq=int(doc.get("seq") or 0), position=position,
         )  # fmt: skip
 
     @property
@@ -392,12 +396,28 @@ def doc_of(record: Record) -> dict[str, Any]:
 
 
 def pending(backend: CacheBackend) -> list[tuple[Record, dict[str, Any]]]:
-    """Every entry not yet delivered to every channel, with its document."""
-    return [(r, _doc(r)) for r in backend.scan_prefix(OUTBOX) if r.fingerprint == DOCUMENT]
+    """Every entry not yet delivered to every channel, with its document: the outbox's
+    prefix alone, which a dispatcher keeps small by moving what it delivered."""
+    found = backend.select(Select(prefix=OUTBOX))
+    return [(r, _doc(r)) for r in found if r.fingerprint == DOCUMENT]
 
 
-def delivered(backend: CacheBackend) -> list[tuple[Record, dict[str, Any]]]:
-    return [(r, _doc(r)) for r in backend.scan_prefix(DELIVERED) if r.fingerprint == DOCUMENT]
+def delivered(
+    backend: CacheBackend,
+    *,
+    before: float | None = None,
+    order: Order = Order.KEY,
+    after: Position | None = None,
+    limit: int | None = None,
+) -> Iterator[tuple[Record, dict[str, Any]]]:
+    """The entries delivered to every channel (moved out of the outbox; they grow with
+    every notification until they are pruned), with their documents, streamed from the
+    store's index of them: those moved `before` a time (the store's clock), in `order`
+    from `after` on, at most `limit`."""
+    query = Select(prefix=DELIVERED, updated_before=before, order=order, after=after, limit=limit)
+    for record in backend.select(query):
+        if record.fingerprint == DOCUMENT:
+            yield record, _doc(record)
 
 
 #: What `confirmation` finds: the transition happened, may still happen, or never will.
@@ -448,8 +468,25 @@ class Outbox:
         up, and shown as due once its transition is seen. With `waiting`, those whose
         transition has not happened yet (and may never) too, as "waiting". With
         `include_delivered` (the default), the entries delivered to every channel and not
-        pruned yet too. Raises `LedgerUnavailable` if the store cannot be read (or holds an
+        pruned yet too: a list of them all, which grows with every notification
+        (`outstanding` and `delivered` read the outbox and a page of the delivered ones
+        instead). Raises `LedgerUnavailable` if the store cannot be read (or holds an
         entry document that is not one: `CorruptRecord`)."""
+        found = self.outstanding(waiting=waiting)
+        if include_delivered:
+            # Read after the outbox, so an entry moving meanwhile is in one or both; a
+            # dispatcher copies an entry here before deleting the outbox's, and between
+            # the two writes (or after dying between them) both exist: one entry, delivered.
+            moved = {doc["id"]: Entry.of(doc) for _record, doc in delivered(self.backend)}
+            found = [e for e in found if e.id not in moved] + list(moved.values())
+        return sorted(found, key=lambda e: (e.at, e.seq, e.id))
+
+    def outstanding(self, *, waiting: bool = False) -> list[Entry]:
+        """The entries still in the outbox whose transition happened, oldest first: those
+        not yet delivered to every channel, and granted approvals delivered everywhere and
+        kept until their grant ends. With `waiting`, those whose transition has not
+        happened yet (and may never) too, as "waiting". Few, however many were delivered
+        before: the outbox's prefix alone is read. Raises what `entries` raises."""
         found = []
         for _record, doc in pending(self.backend):
             if waits(doc):
@@ -459,13 +496,30 @@ class Outbox:
                 if verdict == HAPPENED:
                     doc = {**doc, "state": "due"}
             found.append(Entry.of(doc))
-        if include_delivered:
-            # Read after the outbox, so an entry moving meanwhile is in one or both; a
-            # dispatcher copies an entry here before deleting the outbox's, and between
-            # the two writes (or after dying between them) both exist: one entry, delivered.
-            moved = {doc["id"]: Entry.of(doc) for _record, doc in delivered(self.backend)}
-            found = [e for e in found if e.id not in moved] + list(moved.values())
         return sorted(found, key=lambda e: (e.at, e.seq, e.id))
+
+    def delivered(
+        self, *, after: Position | None = None, limit: int | None = None
+    ) -> Iterator[Entry]:
+        """The entries delivered to every channel and moved out of the outbox, the last
+        moved first, from `after` on (the `position` of the last entry of the previous
+        page), at most `limit`: a page of them read from the store's index, however many
+        there are (they are kept until a dispatcher prunes them, 30 days by default).
+        Raises `ValueError` for a `limit` below 1 or an `after` that is not a position
+        (an (updated_at, key) pair), and `LedgerUnavailable` while it is iterated, if the
+        store cannot be read."""
+        query = Select(order=Order.NEWEST)
+        found = delivered(self.backend, order=Order.NEWEST, after=after, limit=limit)
+        for record, doc in found:
+            yield Entry.of(doc, query.position(record))
+
+    def position(self, entry_id: str) -> Position | None:
+        """Where the delivered entry `entry_id` stands in `delivered`'s order (to list the
+        ones after it), or None when no delivered entry has that id. Raises `ValueError`
+        for an `entry_id` that is not `ob_` and 24 hex digits, and `LedgerUnavailable` if
+        the store cannot be read."""
+        record = self.backend.get(DELIVERED + check_id(entry_id))
+        return None if record is None else Select(order=Order.NEWEST).position(record)
 
     def get(self, entry_id: str) -> Entry | None:
         """The entry, if its transition happened (or if it waits for one: "waiting").
@@ -489,4 +543,4 @@ class Outbox:
         """The entries still to be delivered (`Entry.undelivered`), oldest first: what
         `doctor` counts and `notifications ls --state pending` lists. Raises what
         `entries` raises."""
-        return [e for e in self.entries(include_delivered=False) if e.undelivered]
+        return [e for e in self.outstanding() if e.undelivered]

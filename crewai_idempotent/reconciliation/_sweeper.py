@@ -1,13 +1,14 @@
 """The sweeper: settles UNCERTAIN records and stale claims by asking their reconcilers.
 
-A pass reads the ledger's UNCERTAIN records and its PENDING ones whose lease lapsed, in a
-random order (so that sweepers started together start apart), and hands each to the
-ledger's own decision, `_Machine._sweep`, driven by the ledger's own drivers: the rules
-of who may settle a record, how it is fenced and what each answer writes live there,
-beside the transitions they race with. What this module decides is policy: which
-reconciler a record's tool has (`_registry.Finder`), how long to wait between asks once
-a reconciler answered Unknown (doubling from `backoff_s` to `max_backoff_s`, counted from
-the record's own history, so every sweeper on the ledger backs off alike), and when to
+A pass reads the ledger's UNCERTAIN records and its PENDING ones whose lease lapsed, oldest
+update first, streamed from the store's index of each status (a few dozen at a time,
+however many there are), and hands each to the ledger's own decision, `_Machine._sweep`,
+driven by the ledger's own drivers: the rules of who may settle a record, how it is
+fenced and what each answer writes live there, beside the transitions they race with.
+What this module decides is policy: which reconciler a record's tool has
+(`_registry.Finder`), how long to wait between asks once a reconciler answered Unknown
+(doubling from `backoff_s` to `max_backoff_s`, counted from the record's own history, so
+every sweeper on the ledger backs off alike), and when to
 raise an alarm (`_alerts`).
 
 Many sweepers may run on one ledger, on many hosts: a sweeper marks a record before it
@@ -25,28 +26,33 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import heapq
+import itertools
 import logging
 import os
-import random
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .._errors import IdempotencyError, LedgerUnavailable
 from ..ledger._backend import CacheBackend, url_of
+from ..ledger._hostclock import HostClock
 from ..ledger._ledger import Ledger
 from ..ledger._policy import check_seconds
 from ..ledger._record import Record, Status, _whoami
 from ..ledger._results import decode
-from ..ledger._steps import Swept, _Ask
+from ..ledger._select import Order, Select
+from ..ledger._steps import Step, Swept, _Ask, _Call
 from ..notifications import _incidents
 from ._alerts import Alert, AlertChannel, count_swept, default_channels, report_open, send_all
 from ._registry import Finder, Reconciler, _Blocking, key_prefix, tool_of
 
 log = logging.getLogger("crewai_idempotent.reconciliation")
+
+T = TypeVar("T")
 
 OUTCOMES = ("found", "absent", "unknown", "left", "due", "skipped", "overtaken", "error")
 # Kinds of history event that keep a record open: it has been uncertain since the first of
@@ -232,33 +238,40 @@ class Sweeper:
 
     def sweep(self, progress: Progress | None = None) -> Report:
         """One pass over the ledger; the report says what came of every record. `progress`
-        hears of it as it goes. A ledger that cannot be read is the report's `error` and an
-        alert, never an exception; what `progress.started` raises goes through."""
-        progress = progress or Progress()
+        hears of it as it goes (its total is counted first, by reading the candidates once
+        more). A ledger that cannot be read is the report's `error` and an alert, never an
+        exception; what `progress.started` raises goes through."""
         report = Report(self.url, self.dry_run, time.time())
         ledger = self.ledger
         try:
-            found = ledger.records(Status.UNCERTAIN) + ledger.records(Status.PENDING)
-            candidates = self._candidates(found, ledger.backend.now())
-        except IdempotencyError as exc:
-            self._send(self._unreachable(report, exc))
-            return report
-        progress.started(len(candidates))
-        by = self.by
-        if self.concurrency == 1 or len(candidates) < 2:
-            for record in candidates:
-                result = self._one(record, by)
-                self._send(self._record(report, progress, result, self._now()))
-        else:
-            with concurrent.futures.ThreadPoolExecutor(
-                self.concurrency, thread_name_prefix="crewai-idempotent-sweep"
-            ) as pool:
-                futures = [pool.submit(self._one, record, by) for record in candidates]
-                for future in concurrent.futures.as_completed(futures):
-                    raised = self._record(report, progress, future.result(), self._now())
-                    self._send(raised)
-        try:
-            open_now = len(ledger.records(Status.UNCERTAIN))
+            now = ledger._drive(_read(ledger.backend.now))
+            if progress is not None:
+                progress.started(ledger._drive(_read(self._count, now)))
+            hooks = progress or Progress()
+            candidates = self._candidates(now)
+            by = self.by
+            pool = (
+                concurrent.futures.ThreadPoolExecutor(
+                    self.concurrency, thread_name_prefix="crewai-idempotent-sweep"
+                )
+                if self.concurrency > 1
+                else None
+            )
+            try:
+                while chunk := ledger._drive(_read(_next, candidates)):
+                    if pool is None:
+                        for record in chunk:
+                            result = self._one(record, by)
+                            self._send(self._record(report, hooks, result, self._now()))
+                        continue
+                    futures = [pool.submit(self._one, record, by) for record in chunk]
+                    for future in concurrent.futures.as_completed(futures):
+                        raised = self._record(report, hooks, future.result(), self._now())
+                        self._send(raised)
+            finally:
+                if pool is not None:
+                    pool.shutdown()
+            open_now = ledger._drive(_read(self._open_now))
         except IdempotencyError as exc:
             self._send(self._unreachable(report, exc))
             return report
@@ -268,29 +281,26 @@ class Sweeper:
         """`sweep` on the event loop: the ledger's async driver, its lanes, the same
         decisions. Up to `concurrency` records at once, as tasks. `progress` and what it
         raises as for `sweep`."""
-        progress = progress or Progress()
         report = Report(self.url, self.dry_run, time.time())
         ledger = self.ledger
         io = ledger._lanes.io
-        try:
-            found = list(await ledger._adrive(ledger._scan(Status.UNCERTAIN), io))
-            found += list(await ledger._adrive(ledger._scan(Status.PENDING), io))
-            candidates = self._candidates(found, await self._anow())
-        except IdempotencyError as exc:
-            await self._asend(self._unreachable(report, exc))
-            return report
-        progress.started(len(candidates))
         by = self.by
         limit = asyncio.Semaphore(self.concurrency)
+        hooks = progress or Progress()
 
         async def one(record: Record) -> None:
             async with limit:
                 result = await self._aone(record, by)
-            await self._asend(self._record(report, progress, result, await self._anow()))
+            await self._asend(self._record(report, hooks, result, await self._anow()))
 
-        await asyncio.gather(*(one(record) for record in candidates))
         try:
-            open_now = len(await ledger._adrive(ledger._scan(Status.UNCERTAIN), io))
+            now = await self._anow()
+            if progress is not None:
+                progress.started(await ledger._adrive(_read(self._count, now), io))
+            candidates = self._candidates(now)
+            while chunk := await ledger._adrive(_read(_next, candidates), io):
+                await asyncio.gather(*(one(record) for record in chunk))
+            open_now = await ledger._adrive(_read(self._open_now), io)
         except IdempotencyError as exc:
             await self._asend(self._unreachable(report, exc))
             return report
@@ -309,29 +319,61 @@ class Sweeper:
             return self._now()
         return await asyncio.wrap_future(self.ledger._lanes.io().submit(self._now))
 
-    def _candidates(self, found: list[Record], now: float) -> list[Record]:
-        """The records a pass looks at: UNCERTAIN ones and PENDING ones whose lease lapsed
-        (a live owner's are not even looked at), narrowed by `tools` and `keys`, shuffled."""
-        host = self.ledger.backend.host_clock
-        chosen = []
-        for record in found:
-            if self.keys is not None and record.key not in self.keys:
+    def _candidates(self, now: float) -> Iterator[Record]:
+        """The records a pass looks at, oldest update first, streamed: UNCERTAIN ones and
+        PENDING ones whose lease lapsed (a live owner's are not even looked at), each read
+        from the store's index of its status (or, with `keys`, those keys alone), narrowed
+        by `tools`. Only records last written before the pass began (`now`): one the pass
+        writes (or anyone writes meanwhile) moves past the end of the order and is left
+        for the next pass, so a record is looked at once per pass."""
+        backend = self.ledger.backend
+        records: Iterable[Record]
+        if self.keys is not None:
+            found = (backend.get(key) for key in sorted(self.keys))
+            records = sorted(
+                (r for r in found if r is not None and r.status in _OPEN),
+                key=_oldest,
+            )
+        else:
+            records = heapq.merge(
+                *(
+                    backend.select(Select(status=status, order=Order.OLDEST, updated_before=now))
+                    for status in _OPEN
+                ),
+                key=_oldest,
+            )
+        host = backend.host_clock
+        seen: set[str] = set()  # keys only: a store's stream may yield a record twice
+        for record in records:
+            if record.key in seen:
                 continue
-            # A tool by its recorded name or by the key's prefix, which is what the filter
-            # matched before every claim recorded its tool's name (`ls --tool` matches it).
-            if self.tools is not None and not (
-                tool_of(record) in self.tools or key_prefix(record) in self.tools
-            ):
-                continue
-            if record.status is Status.PENDING:
-                try:
-                    if record.lease_live(now, host):
-                        continue
-                except LedgerUnavailable:
-                    continue  # a live lease another host holds: not this host's to judge
-            chosen.append(record)
-        random.shuffle(chosen)
-        return chosen
+            seen.add(record.key)
+            if self._wanted(record, now, host):
+                yield record
+
+    def _wanted(self, record: Record, now: float, host: HostClock | None) -> bool:
+        if self.keys is not None and record.key not in self.keys:
+            return False
+        # A tool by its recorded name or by the key's prefix, which is what the filter
+        # matched before every claim recorded its tool's name (`ls --tool` matches it).
+        if self.tools is not None and not (
+            tool_of(record) in self.tools or key_prefix(record) in self.tools
+        ):
+            return False
+        if record.status is Status.PENDING:
+            try:
+                return not record.lease_live(now, host)
+            except LedgerUnavailable:
+                return False  # a live lease another host holds: not this host's to judge
+        return record.status is Status.UNCERTAIN
+
+    def _count(self, now: float) -> int:
+        """How many records a pass begun at `now` looks at (for a progress display)."""
+        return sum(1 for _ in self._candidates(now))
+
+    def _open_now(self) -> int:
+        """The UNCERTAIN records in the ledger, counted from the store's index of them."""
+        return sum(1 for _ in self.ledger.backend.select(Select(status=Status.UNCERTAIN)))
 
     def _one(self, record: Record, by: str) -> Result:
         pick, chosen = self._picker(on_loop=False)
@@ -583,6 +625,30 @@ class Watching:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+
+# -- reading the ledger -------------------------------------------------------------------
+
+#: The statuses a pass looks at.
+_OPEN = (Status.UNCERTAIN, Status.PENDING)
+#: Candidates read at once (on the ledger's lanes, on the event loop): what a pass holds
+#: of them, however many there are.
+_CHUNK = 64
+
+
+def _oldest(record: Record) -> tuple[float, str]:
+    return (record.updated_at, record.key)
+
+
+def _read(fn: Callable[..., T], *args: Any) -> Step[T]:
+    """A read of the store as a step, so the ledger's drivers perform it as they perform
+    their own: on its lanes from the event loop, any error of the store's as
+    `LedgerUnavailable`."""
+    return (yield _Call(fn, *args))
+
+
+def _next(candidates: Iterator[Record]) -> list[Record]:
+    return list(itertools.islice(candidates, _CHUNK))
 
 
 # -- what a record says about its reconciliation ------------------------------------------

@@ -108,12 +108,15 @@ def test_listing_approvals_and_caps_reads_their_documents_not_the_ledger(store: 
     assert [r.summary["amount_cents"] for r in pending] == [60_000, 70_000, 80_000]
     budgets, read_caps = _rows_read(store, lambda: SpendLedger(store).budgets())
     assert len(budgets) == 2
+    # The caps are read by three selects (the windows holding money, the total and crew
+    # windows, those written within a day), so a window may be read by two of them.
     if isinstance(store, FileLockCacheBackend):
         # Its index of documents is a folder of markers named by digest: a listing reads
         # every document (of every kind), still none of the ledger's other records.
-        assert read == read_caps == documents
+        assert read == documents and read_caps <= 3 * documents
     else:
-        assert (read, read_caps) == (3, 2)  # exactly the documents of the kind listed
+        assert read == 3  # exactly the documents of the kind listed
+        assert read_caps <= 3 * len(budgets)
     assert documents < 50 < RECORDS
 
 
