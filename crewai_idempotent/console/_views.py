@@ -71,7 +71,7 @@ def is_console_doc(key: str) -> bool:
 # -- paging -----------------------------------------------------------------------------
 
 
-_CURSOR = re.compile(r"^[A-Za-z0-9_-]+$")
+_CURSOR = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def cursor(position: Position) -> str:
@@ -87,19 +87,22 @@ def cursor(position: Position) -> str:
 def position(text: str) -> tuple[float, str]:
     """The position a `cursor` encodes. Raises `ValueError` for anything else."""
     bad = ValueError("That page link is damaged (its after= is not one the console made): "
-                   "start again from the first page.")  # fmt: skip
-    if len(text) > MAX_CURSOR or not _CURSOR.match(text):
+                     "start again from the first page.")  # fmt: skip
+    if len(text) > MAX_CURSOR or not _CURSOR.fullmatch(text):
         raise bad
     try:
         data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode("ascii"))
-    except (ValueError, RecursionError):
+        if not (isinstance(data, list) and len(data) == 2 and isinstance(data[1], str)):
+            raise bad
+        at = data[0]
+        if isinstance(at, bool) or not isinstance(at, int | float):
+            raise bad
+        at = float(at)  # an integer past a float's range: OverflowError
+    except (ValueError, RecursionError, OverflowError):
         raise bad from None
-    if not (isinstance(data, list) and len(data) == 2 and isinstance(data[1], str)):
+    if not math.isfinite(at):
         raise bad
-    at = data[0]
-    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
-        raise bad
-    return float(at), data[1]
+    return at, data[1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -297,6 +297,9 @@ BAD_CURSORS = [
     _cursor(b'[NaN, "k"]'),
     _cursor(b'[1e400, "k"]'),
     _cursor(b"[1, 2]"),
+    _cursor(b"[1" + b"0" * 400 + b', "k"]'),  # an integer no float holds
+    _cursor(b"[1" + b"0" * 5000 + b', "k"]'),  # past Python's digits limit
+    _cursor(b'[1, "k"]') + "%0A",  # a trailing newline
     _cursor(b"[" * 5000 + b"]" * 5000),
     _cursor('[1, "\u00e9"]'.encode()),  # not ASCII: never what the console writes
     _cursor(b'"a key"'),  # a key position: the console's pages go by time
