@@ -36,6 +36,9 @@ HEARTBEAT_S = 15.0
 #: (sessions) that push records out of the page's tail are no change.
 LATEST = 50
 LATEST_DIGESTED = 10
+#: Distinct open pages read at each refresh without a change mark, at most: a person
+#: holding streams open on many made-up page addresses costs no more than this.
+PAGES_READ = 100
 
 _UNSEEN = object()  # no mark read yet
 
@@ -100,7 +103,8 @@ class Watcher:
 
     async def _read(self) -> None:
         try:
-            mark, digests = await asyncio.to_thread(self._look, tuple(sorted(self.pages)))
+            pages = tuple(sorted(self.pages))[:PAGES_READ]
+            mark, digests = await asyncio.to_thread(self._look, pages)
         except Exception:
             log.warning("live updates could not read the ledger", exc_info=True)
             return
