@@ -117,8 +117,8 @@ def _backend(where: Where, *, create: bool = False) -> Any:
               help="A session ends after this long without a request "
               "(more than 60 s).")  # fmt: skip
 @click.option("--refresh", default="2s", show_default=True,
-              help="How often open pages are updated from the ledger "
-              "(more than 0.05 s).")  # fmt: skip
+              help="How often, while a page is open, the ledger is asked whether it "
+              "changed (more than 0.05 s).")  # fmt: skip
 @click.option(
     "--slack-signing-secret-file",
     type=click.Path(dir_okay=False),

@@ -30,6 +30,7 @@ from .._errors import (
 from ..gates._approvals import Approvals
 from ..ledger._backend import CacheBackend, url_of
 from ..ledger._ledger import Ledger
+from . import _views
 from ._accounts import Accounts
 from ._auth import LoginThrottle, Trust, Who, networks
 from ._live import Watcher
@@ -121,11 +122,17 @@ class Console:
             window_s=settings.login_window_s,
             clock=clock,
         )
-        self.watcher = Watcher(backend, settings.refresh_s)
+        self.watcher = Watcher(backend, settings.refresh_s, self.shown)
         self.label = url_of(backend)
         # The outbox dispatchers running beside the console (`_beside`): the notifications
         # page says whether anything here delivers what it lists.
         self.dispatchers: list[Dispatcher] = []
+
+    def shown(self, url: str) -> Any:
+        """What the page at `url` (its path and query) shows now, read as the page reads
+        it; None for a URL that is no page. What live updates compare when the store has
+        no change mark. Raises `LedgerUnavailable` if the store cannot be read."""
+        return _views.shown(self.ledger, self.approvals, url)
 
     def wake_dispatchers(self) -> None:
         """A decision made here wrote outbox entries with it: deliver them now rather than
@@ -300,7 +307,7 @@ class Console:
     def _to_login(self, request: Request) -> Response:
         if request.method != "GET" or request.url.path == "/events":
             return self.refusal(request, 401, "Not logged in (or the session ended).")
-        here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        here = _here(request)
         if (
             request.headers.get("sec-fetch-site") == "cross-site"
             and request.headers.get("sec-fetch-mode") == "navigate"
@@ -321,13 +328,14 @@ class Console:
         """What every page's template is given: `who` (None: no one logged in) and their
         CSRF token, the navigation with `section` marked, the ledger (only to someone
         logged in: its URL names a host, a file, a user), the store's clock, `request`'s
-        path. Raises `LedgerUnavailable` if the store's clock cannot be read."""
+        path (and, as `here`, with its query). Raises `LedgerUnavailable` if the store's
+        clock cannot be read."""
         ledger = self.label if who is not None else None
         return {
             "who": who, "sections": self.sections, "section": section, "ledger": ledger,
             "csrf": who.session.csrf if who is not None and who.session is not None else "",
             "now": self.backend.now(), "proxy_mode": self.settings.auth == "proxy",
-            "path": request.url.path,
+            "path": request.url.path, "here": _here(request),
         }  # fmt: skip
 
     # -- what runs beside it --------------------------------------------------------------
@@ -344,6 +352,12 @@ class Console:
             except Exception:
                 log.warning("could not sweep ended console sessions", exc_info=True)
             await asyncio.sleep(SWEEP_S)
+
+
+def _here(request: Request) -> str:
+    """The path and query `request` asked for: the page a live-update stream watches."""
+    query = request.url.query
+    return request.url.path + (f"?{query}" if query else "")
 
 
 _NOT_OURS = "Refused: this form was not sent from the console's own pages."

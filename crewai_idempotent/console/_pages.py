@@ -27,7 +27,7 @@ from .._errors import (
 )
 from .._units import parse_duration
 from ..gates._approvals import ApprovalState, _check_id
-from ..notifications._outbox import TYPES, Outbox
+from ..notifications._outbox import TYPES
 from . import _slack, _views
 from ._auth import Who
 from ._console import (
@@ -154,14 +154,32 @@ def _notice(console: Console, request: Request) -> str:
     return ""
 
 
+def _unreadable(console: Console, request: Request, who: Who, exc: ValueError) -> Response:
+    # A damaged page link or order: said plainly, never a 500.
+    return console.refusal(request, 400, str(exc), who)
+
+
+def _listing(request: Request) -> dict[str, Any]:
+    """What a paged page's template needs to link to its other pages, the filters kept."""
+    path, query = request.url.path, request.query_params
+
+    def link(**changes: Any) -> str:
+        return _views.link(path, query, **changes)
+
+    return {"link": link, "query": query}
+
+
 def approvals_page(
     console: Console, request: Request, who: Who, form: FormData | None, error: str = ""
 ) -> Response:
-    now = console.backend.now()
-    page = _views.approvals_page(console.approvals, now)
+    try:
+        pagings = _views.approvals_paging(request.query_params)
+    except ValueError as exc:
+        return _unreadable(console, request, who, exc)
+    page = _views.approvals_page(console.approvals, *pagings, console.backend.now())
     return html(
         "approvals.html", 409 if error else 200, **console.context(request, who, "approvals"),
-        page=page, notice=_notice(console, request), error=error,
+        **_listing(request), page=page, notice=_notice(console, request), error=error,
     )  # fmt: skip
 
 
@@ -234,36 +252,27 @@ def decision(grant: bool) -> Handler:
 def uncertain_page(
     console: Console, request: Request, who: Who, form: FormData | None, error: str = ""
 ) -> Response:
-    now = console.backend.now()
-    views = _views.uncertain(console.ledger, now, console.approvals.list("all"))
+    try:
+        at = _views.paging(request.query_params, _views.UNCERTAIN_ORDER)
+    except ValueError as exc:
+        return _unreadable(console, request, who, exc)
+    page = _views.uncertain(console.ledger, console.approvals, at, console.backend.now())
     return html(
         "uncertain.html", 409 if error else 200, **console.context(request, who, "uncertain"),
-        views=views, notice=_notice(console, request), error=error,
+        **_listing(request), page=page, notice=_notice(console, request), error=error,
     )  # fmt: skip
 
 
-def _filters(request: Request) -> tuple[_views.Filters, str]:
-    q = request.query_params
-    status = (q.get("status") or "").lower()
-    if status not in ("", "pending", "committed", "failed", "uncertain"):
-        return _views.Filters(), f"No status {status!r}: pending, committed, failed or uncertain."
-    older = parse_duration(q["older"]) if q.get("older") else None
-    newer = parse_duration(q["newer"]) if q.get("newer") else None
-    if (q.get("older") and older is None) or (q.get("newer") and newer is None):
-        return _views.Filters(), "An age is a duration such as 90s, 15m, 2h or 7d."
-    return _views.Filters(
-        status=status, tool=(q.get("tool") or "").strip(), prefix=q.get("prefix") or "",
-        older_than=older, newer_than=newer, documents=q.get("documents") == "1",
-    ), ""  # fmt: skip
-
-
 def records_page(console: Console, request: Request, who: Who, form: FormData | None) -> Response:
-    filters, error = _filters(request)
-    now = console.backend.now()
-    page = _views.records_page(console.ledger, filters, now)
+    filters, error = _views.filters(request.query_params)
+    try:
+        at = _views.paging(request.query_params, _views.RECORDS_ORDER)
+    except ValueError as exc:
+        return _unreadable(console, request, who, exc)
+    page = _views.records_page(console.ledger, filters, at, console.backend.now())
     return html(
         "records.html", 400 if error else 200, **console.context(request, who, "records"),
-        page=page, filters=filters, query=request.query_params, notice=_notice(console, request),
+        **_listing(request), page=page, filters=filters, notice=_notice(console, request),
         error=error,
     )  # fmt: skip
 
@@ -272,11 +281,9 @@ def record_page(
     console: Console, request: Request, who: Who, form: FormData | None, error: str = ""
 ) -> Response:
     key = request.query_params.get("key", "") if form is None else str(form.get("key") or "")
-    record = console.ledger.get(key) if key and not _views.is_console_doc(key) else None
-    if record is None:
+    view = _views.record_page(console.ledger, console.approvals, key, console.backend.now())
+    if view is None:
         return console.refusal(request, 404, f"No record for idempotency key {key!r}.", who)
-    view = _views.record_view(console.ledger, record, console.backend.now(),
-                              console.approvals.list("all"))  # fmt: skip
     return html(
         "record.html", 409 if error else 200, **console.context(request, who, "records"),
         view=view, notice=_notice(console, request), error=error,
@@ -338,8 +345,13 @@ def purge(console: Console, request: Request, who: Who, form: FormData | None) -
 
 
 def spend_page(console: Console, request: Request, who: Who, form: FormData | None) -> Response:
-    return html("spend.html", **console.context(request, who, "spend"),
-                budgets=_views.budgets(console.ledger))  # fmt: skip
+    try:
+        at = _views.paging(request.query_params, _views.SPEND_ORDER)
+    except ValueError as exc:
+        return _unreadable(console, request, who, exc)
+    page = _views.spend_page(console.ledger, at)
+    return html("spend.html", **console.context(request, who, "spend"), **_listing(request),
+                page=page)  # fmt: skip
 
 
 def notifications_page(
@@ -352,11 +364,15 @@ def notifications_page(
     if state not in _views.NOTIFICATION_STATES:
         error = f"No state {state!r}: pending, failing, delivered or waiting."
         state = ""
-    page = _views.notifications_page(Outbox(console.backend), state, kind)
+    try:
+        at = _views.paging(q, _views.NOTIFICATIONS_ORDER)
+    except ValueError as exc:
+        return _unreadable(console, request, who, exc)
+    page = _views.notifications_page(console.ledger, state, kind, at)
     return html(
         "notifications.html", 400 if error else 200,
-        **console.context(request, who, "notifications"), page=page, state=state, kind=kind,
-        types=sorted(TYPES), error=error, dispatchers=console.dispatchers,
+        **console.context(request, who, "notifications"), **_listing(request), page=page,
+        state=state, kind=kind, types=sorted(TYPES), error=error, dispatchers=console.dispatchers,
     )  # fmt: skip
 
 
@@ -375,8 +391,9 @@ async def events(request: Request) -> Response:
     if who is None:
         return console.refusal(request, 401, "Not logged in (or the session ended).")
     cookie = token or request.cookies.get(console.cookie_name(request))
+    page = local_path(request.query_params.get("page"), "")
     response = StreamingResponse(
-        console.watcher.stream(lambda: console.still(who, cookie)),
+        console.watcher.stream(lambda: console.still(who, cookie), page),
         media_type="text/event-stream",
         headers={"x-accel-buffering": "no"},  # nginx: pass each event on at once
     )

@@ -35,7 +35,8 @@ class ConsoleSettings:
     - `allowed_hosts`: Host header values accepted besides the loopback names and
       `public_url`'s host (DNS rebinding is refused).
     - `session_ttl_s` / `idle_s`: a session ends that long after login / without a request.
-    - `refresh_s`: how often the ledger is read for live updates while a page is open.
+    - `refresh_s`: how often, while a page is open, the store is asked whether the ledger
+      changed (its change mark), for live updates.
     - `slack_signing_secret`: enables Slack's button posts at /slack/interactive;
       `slack_team`: only that workspace's; `slack_grant_ttl_s`: a Slack approval's grant;
       `slack_response_prefix`: the only URL prefix a click's answer is posted to.

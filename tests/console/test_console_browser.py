@@ -14,20 +14,25 @@ docs/console.md.
 from __future__ import annotations
 
 import contextlib
+import http.cookiejar
+import itertools
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
 import threading
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 
-from crewai_idempotent import Approvals, ApprovalState, Status, backend_from_url
+from crewai_idempotent import Approvals, ApprovalState, Ledger, Status, backend_from_url
 from crewai_idempotent.console import Accounts
 from tests.support.console import PASSWORD, REPO, Served, ask, served
 from tests.support.crewai.fixtures import PYTHON, subprocess_env
@@ -490,3 +495,97 @@ def test_the_notifications_page_shows_a_delivery_as_it_happens(
         receiver.hold.set()
         receiver.stop()
         store.close()
+
+
+def _log_in_over_http(url: str, name: str) -> None:
+    """A login as a browser makes one (it writes a session into the ledger)."""
+    jar = http.cookiejar.CookieJar()
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    with opener.open(f"{url}/login", timeout=60) as answer:
+        form = answer.read().decode()
+    token = re.search(r'name="login_csrf" value="([^"]+)"', form)
+    assert token, form
+    body = urlencode({"login_csrf": token.group(1), "name": name, "password": PASSWORD})
+    sent = urllib.request.Request(f"{url}/login", body.encode(), headers={"Origin": url})
+    with opener.open(sent, timeout=60) as answer:
+        assert answer.status == 200 and "/approvals" in answer.url
+
+
+def test_live_updates_survive_pages_coming_and_going_while_the_ledger_changes(
+    browser: Any, console: Served, ledger_url: str
+) -> None:
+    """Several pages hold update streams while one page navigates between pages over and
+    over (its stream cancelled at whatever point it was), pages open and close, and the
+    ledger changes meanwhile (logins write sessions, calls run, crews ask for approval). Then every
+    page still open, and one opened afterwards, is updated by the next change without a
+    reload, and the console logged no error. Before the live updates waited on an event,
+    this left the console's lock taken ("Lock is not acquired") and no page was updated
+    again until it restarted."""
+    chance = random.Random(30)
+    store = backend_from_url(ledger_url)
+    alice = Person(browser, console.url).login("alice")
+    bob = Person(browser, console.url).login("bob")
+    olga = Person(browser, console.url).login("olga")  # the one navigating
+    victor = Person(browser, console.url).login("victor")  # opens and closes pages
+    approvals_pages = [alice.page, bob.page]
+    records_pages = []
+    for person in (alice, bob):
+        extra = person.context.new_page()
+        extra.goto("/records")
+        records_pages.append(extra)
+    for page in approvals_pages + records_pages:
+        page.evaluate("window.stillTheSamePage = true")
+
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def meanwhile() -> None:
+        try:
+            for i in itertools.count():
+                if stop.is_set():
+                    return
+                _log_in_over_http(console.url, chance.choice(["victor", "alice", "olga"]))
+                Ledger(store).run(f"charge:storm-{i}", lambda: "charged")
+                if i < 8:
+                    ask(store, f"pay_invoice:storm-{i}", {"invoice": f"INV-S{i}"})
+        except Exception as exc:  # noqa: BLE001 - every failure is the finding
+            failures.append(repr(exc))
+
+    writer = threading.Thread(target=meanwhile)
+    writer.start()
+    sections = ["/approvals", "/uncertain", "/records", "/records?order=oldest", "/spend",
+                "/notifications", "/approvals?pending_order=newest"]  # fmt: skip
+    opened: list[Any] = []
+    try:
+        for step in range(60):
+            waiting = chance.choice(["commit", "commit", "domcontentloaded", "load"])
+            olga.page.goto(chance.choice(sections), wait_until=waiting)
+            if step % 4 == 0:
+                opened.append(victor.context.new_page())
+                opened[-1].goto(chance.choice(sections), wait_until=waiting)
+            if len(opened) > 2 or (opened and step % 4 == 2):
+                opened.pop(chance.randrange(len(opened))).close()
+    finally:
+        stop.set()
+        writer.join(timeout=300)
+    assert not writer.is_alive() and failures == []
+    olga.page.goto("/approvals")
+    approvals_pages.append(olga.page)
+    fresh = victor.context.new_page()
+    with fresh.expect_response("**/events**"):
+        fresh.goto("/records")
+    records_pages.append(fresh)
+
+    ask(store, "pay_invoice:after-the-storm", {"invoice": "INV-AFTER"})
+    for page in approvals_pages:
+        page.locator("article.request", has_text="INV-AFTER").wait_for()
+    for page in records_pages:
+        page.locator("table.records code", has_text="pay_invoice:after-the-storm").wait_for()
+    for page in approvals_pages[:2] + records_pages[:2]:
+        assert page.evaluate("window.stillTheSamePage") is True  # updated, not reloaded
+    store.close()
+    for person in (alice, bob, olga, victor):
+        person.close()
+    log = console.output()
+    assert "RuntimeError" not in log and "Traceback" not in log, log[-3000:]
+    assert "could not read the ledger" not in log
