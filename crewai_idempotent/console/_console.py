@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
+from .. import signing
 from .._errors import (
     IdempotencyError,
 )
@@ -98,8 +99,11 @@ class Console:
 
     `backend` is the ledger's store, `settings` how the console runs, `sections` its
     navigation, `clock` what the login throttle counts its window by (`time.monotonic`;
-    tests give their own). Raises `TypeError` for a `backend` that is not a
-    `CacheBackend`."""
+    tests give their own). `trusted_keys` are those `$CREWAI_IDEMPOTENCY_TRUSTED_KEYS`
+    names (None when unset): with them, approvals are signed, and an approval this
+    console cannot sign is refused before anything is written. Raises `TypeError` for a
+    `backend` that is not a `CacheBackend`, and `SigningConfigurationError` for trusted
+    keys that do not pass."""
 
     def __init__(
         self,
@@ -112,7 +116,9 @@ class Console:
         self.settings = settings
         self.sections = tuple(sections)
         self.ledger = Ledger(backend)
-        self.approvals = Approvals(backend)
+        # What the workers trust, as this host is told: with them, approvals are signed.
+        self.trusted_keys = signing.TrustedKeys.from_env()
+        self.approvals = Approvals(backend, trusted_keys=self.trusted_keys)
         self.accounts = Accounts(backend)
         self.sessions = Sessions(backend, ttl_s=settings.session_ttl_s, idle_s=settings.idle_s)
         self.trust = Trust(networks(settings.trusted_proxies))
