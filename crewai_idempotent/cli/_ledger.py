@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .. import Ledger, LedgerUnavailable, Record, Status
+from .._errors import SigningConfigurationError
 from ..gates._approvals import KIND as APPROVALS
 from ..gates._gatestore import PREFIX, is_document
 from ..gates._spend import KIND as SPEND
@@ -31,7 +33,13 @@ from ._output import (
 )
 from ._where import Where
 
+if TYPE_CHECKING:
+    from ..signing._keyfile import Signer
+    from ..signing._trusted import TrustedKeys
+
 _STATUSES = ("pending", "committed", "failed", "uncertain")
+SIGNING_KEY_ENV = "CREWAI_IDEMPOTENCY_SIGNING_KEY"
+TRUSTED_KEYS_ENV = "CREWAI_IDEMPOTENCY_TRUSTED_KEYS"  # signing.ENV, without loading signing
 
 
 def _lease_left(ledger: Ledger, record: Record, now: float) -> float | None:
@@ -298,6 +306,13 @@ def show(where: Where, key: str, as_json: bool) -> None:
 )
 @click.option("--result-text", metavar="TEXT", help="With --happened: the receipt, as plain text.")
 @click.option("--reason", required=True, help="Why: what you checked at the provider.")
+@click.option(
+    "--key",
+    "key_file",
+    metavar="FILE",
+    envvar=SIGNING_KEY_ENV,
+    help=f"Sign the resolution with this key file (`keys new`). Default: ${SIGNING_KEY_ENV}.",
+)
 @TYPED_NAME_REFUSED
 @click.pass_obj
 def resolve(
@@ -308,6 +323,7 @@ def resolve(
     result_json: str | None,
     result_text: str | None,
     reason: str,
+    key_file: str | None,
 ) -> None:
     """Settle an UNCERTAIN (or stale PENDING) record after checking the provider. The
     resolution is recorded as yours (user@host), as an approval is.
@@ -315,6 +331,12 @@ def resolve(
     --happened: the record becomes COMMITTED and --result/--result-text is replayed to every
     later call (without either, the result already stored on the record is kept, if any).
     --absent: the record becomes FAILED and the next attempt runs the operation.
+
+    --key FILE (or $CREWAI_IDEMPOTENCY_SIGNING_KEY): the resolution is signed with that key,
+    as its identity, and workers with trusted keys obey it only if they trust the key for
+    resolve. A signed resolution may also replace one they refuse (an unsigned one). With
+    $CREWAI_IDEMPOTENCY_TRUSTED_KEYS set, a resolution those keys would refuse is refused
+    here, before anything is written.
     """
     check_key(key)
     if happened == absent:
@@ -335,9 +357,12 @@ def resolve(
             ) from None
     elif result_text is not None:
         result = result_text
+    signer, trusted = _signing(key_file)
 
     with ledger_errors(where.scrub):
         ledger = where.ledger()
+        if trusted is not None:
+            ledger.trusted_keys = trusted
         before = ledger.get(key)
         if before is None:
             raise click.ClickException(
@@ -345,10 +370,11 @@ def resolve(
             )
         if happened and result_json is None and result_text is None:
             result = _kept_result(before)
+        signed: dict[str, Any] = {"signer": signer, "via": "cli"} if signer else {}
         if absent:
-            record = ledger.resolve(key, absent=True, reason=reason)
+            record = ledger.resolve(key, absent=True, reason=reason, **signed)
         else:
-            record = ledger.resolve(key, result=result, reason=reason)
+            record = ledger.resolve(key, result=result, reason=reason, **signed)
 
     out = console()
     if before.needs_operator:
@@ -359,6 +385,8 @@ def resolve(
                 "stays on the record"
             )
         )
+    if signer is not None:
+        out.print(safe(f"signed by {signer.identity} (key {signer.key_id})"))
     if absent:
         out.print(safe(f"resolved {key!r} as absent: FAILED; the next attempt runs the operation"))
     else:
@@ -369,6 +397,22 @@ def resolve(
                 f"call replays {replayed}"
             )
         )
+
+
+def _signing(key_file: str | None) -> tuple[Signer | None, TrustedKeys | None]:
+    """The signer --key names, and the trusted keys $CREWAI_IDEMPOTENCY_TRUSTED_KEYS
+    names (checked here as the workers check them), each None when not given."""
+    if key_file is None and not os.environ.get(TRUSTED_KEYS_ENV, "").strip():
+        return None, None  # nothing of signing to load
+    from ..signing._keyfile import Signer
+    from ..signing._trusted import TrustedKeys
+
+    try:
+        signer = None if key_file is None else Signer.from_file(key_file)
+        trusted = TrustedKeys.from_env()
+    except SigningConfigurationError as exc:
+        raise click.ClickException(safe(str(exc))) from None
+    return signer, trusted
 
 
 def _kept_result(record: Record) -> Any:

@@ -121,7 +121,7 @@ def digests(
 #: What `check` may find wrong, in one word each.
 PROBLEMS = (
     "edited", "removed", "inserted", "reordered", "truncated", "cut", "unchained", "malformed",
-    "unsigned", "signature", "subject",
+    "unsigned", "signature", "subject", "rewritten", "deleted",
 )  # fmt: skip
 
 

@@ -330,25 +330,39 @@ class Record:
         `result`, `error`, `expires_at` and `host_expires`. The call's arguments stay only
         on an UNCERTAIN record, whose outcome is still open.
         """
-        history, chain, cut, signed = self._extended(event)
+        history, chain, cut, signed, started = self._extended(event)
         return Record(
             self.key, status, self.fingerprint, self.token, self.revision + 1, self.owner,
             self.attempts, self.created_at, now, None, expires_at, result, error,
             self.needs_operator, self.evidence, history, None,
             host_expires, self.call if status is Status.UNCERTAIN else None, None,
-            chain, cut, self.chain_from, signed, None,
+            chain, cut, started, signed, None,
         )  # fmt: skip
 
     def _extended(
         self, event: Event, decision: tuple[dict[str, Any], dict[str, Any] | None] | None = None
-    ) -> tuple[tuple[Event, ...], tuple[str, ...], tuple[int, str] | None, tuple[Signed, ...]]:
+    ) -> tuple[
+        tuple[Event, ...],
+        tuple[str, ...],
+        tuple[int, str] | None,
+        tuple[Signed, ...],
+        tuple[int, float] | None,
+    ]:
         """The history with `event` appended (and `decision`, a decision's JSON and its
-        signature's, made with it), its chain, cut and signed decisions, within the limit."""
+        signature's, made with it), its chain, cut, signed decisions and start, within the
+        limit. A history with no chain to extend (written by a release that keeps none, or
+        a chain damaged) is chained again from its first event, and the start marks where
+        (`chain_from`)."""
         history, chain, cut, signed = self.history, self.chain, self.chain_cut, self.signed
-        if chain is None:
-            chain = _chain.digests(self.key, history, cut, signed)
+        started = self.chain_from
         seq = seq_of(len(history), cut)
-        prev = bytes.fromhex(chain[-1]) if chain else _chain.start(self.key)
+        prev = _prev(self.key, chain, len(history))
+        if prev is None:  # no chain to extend: chain the history again, from its first event
+            if history:
+                started = (seq, float(history[-1].at))
+            chain = _chain.digests(self.key, history, cut, signed)
+            prev = bytes.fromhex(chain[-1]) if chain else _chain.start(self.key)
+        assert chain is not None
         attached = None
         if decision is not None:
             attached = _chain.decision_digest(*decision)
@@ -363,7 +377,7 @@ class Record:
             cut = ((cut[0] if cut else 0) + over, chain[over])
             history, chain = history[:1] + history[over + 1 :], chain[:1] + chain[over + 1 :]
             signed = tuple(entry for entry in signed if entry[0] == 0 or entry[0] > cut[0])
-        return history, chain, cut, signed
+        return history, chain, cut, signed, started
 
     def evolve(
         self,
@@ -389,9 +403,10 @@ class Record:
         if "resolved" not in changes and changes.get("status", self.status) is not self.status:
             changes["resolved"] = None
         if event is not None:
-            history, chain, cut, signed = self._extended(event, decision)
+            history, chain, cut, signed, started = self._extended(event, decision)
             changes["history"], changes["chain"] = history, chain
             changes["chain_cut"], changes["signed"] = cut, signed
+            changes["chain_from"] = started
         elif decision is not None:
             raise TypeError("a decision is stored with the event it is made with")
         if "lease_expires_at" in changes and "host_lease" not in changes:
@@ -448,9 +463,9 @@ class Record:
             doc["call"] = self.call
         if self.reconciling is not None:
             doc["reconciling"] = self.reconciling
+        # Written as read: a chain is computed by the write that appends an event (a record
+        # an older release wrote stays unchained until then, as `verify` should see it).
         chain = self.chain
-        if chain is None and self.history:
-            chain = _chain.digests(self.key, self.history, self.chain_cut, self.signed)
         if chain is not None:
             doc["chain"] = chain
             if self.chain_cut is not None:
@@ -472,7 +487,7 @@ class Record:
         """The record a decoded `to_json` document describes."""
         owner = d["owner"]
         history = tuple(Event(*e) for e in d["history"])
-        chain, cut, start = _stored_chain(d, history)
+        chain, cut, start = _stored_chain(d)
         return cls(
             key=d["key"],
             status=Status(d["status"]),
@@ -551,28 +566,42 @@ def _passed(deadline: HostDeadline | None, host: HostClock | None) -> bool:
 
 
 def _stored_chain(
-    d: dict[str, Any], history: tuple[Event, ...]
+    d: dict[str, Any],
 ) -> tuple[tuple[str, ...] | None, tuple[int, str] | None, tuple[int, float] | None]:
-    """The chain a document stores (digests, cut, start), as far as the next write needs
-    it. None for one that stores none, or one that cannot be extended (a digest missing
-    or malformed): the next write chains the history again and marks where (`chain_from`:
-    the next event, and when the last unchained one was written). Never raises: a damaged
-    chain is `crewai-idempotent verify`'s to report, not a reason to stop the guard."""
+    """The chain a document stores (digests, cut, start) as it stores them, so that it is
+    written back the same (and `verify` sees what was stored); a part that is not even of
+    its shape is left out. Never raises: a damaged chain is `crewai-idempotent verify`'s to
+    report, not a reason to stop the guard (the next write that appends an event chains a
+    history it cannot extend again, and marks where: `Record._extended`)."""
     stored = d.get("chain")
-    if not history:
-        return None, None, None
+    chain = None
+    if type(stored) is list and all(type(digest) is str for digest in stored):
+        chain = tuple(stored)
     try:
         cut = _chain._cut(d.get("chain_cut"))
-        if (
-            type(stored) is list
-            and len(stored) == len(history)
-            and all(type(digest) is str for digest in stored)
-            and _chain._HEX.match(stored[-1])
-        ):
-            return tuple(stored), cut, _chain._started(d.get("chain_from"))
     except ValueError:
-        pass
-    return None, None, (len(history), float(history[-1].at))
+        cut = None
+    try:
+        started = _chain._started(d.get("chain_from"))
+    except ValueError:
+        started = None
+    return chain, cut, started
+
+
+def _prev(key: str, chain: tuple[str, ...] | None, events: int) -> bytes | None:
+    """What the next event of a history of `events` links to, or None if `chain` cannot
+    be extended (missing, not one digest per event, its last one malformed)."""
+    if chain is None or len(chain) != events:
+        return None
+    if not chain:
+        return _chain.start(key)
+    last = chain[-1]
+    if len(last) != 64:
+        return None
+    try:
+        return bytes.fromhex(last)
+    except ValueError:
+        return None
 
 
 def _signed(stored: Any) -> tuple[Signed, ...]:
