@@ -470,6 +470,13 @@ class _Machine:
                 break
             held = yield _Call(self.backend.get, key)
         verdict = yield _Ask(ask.reconcile, key, ask.args, ask.timeout, marked)
+        if isinstance(verdict, Absent) and signer is None and self._trusted is not None:
+            verdict = Unknown(
+                "its reconciler found no trace of it, but this ledger obeys only signed "
+                "settlements and this sweeper has no signing key (Sweeper(..., signer=...)), "
+                "so the next attempt would not run: settle it with `crewai-idempotent resolve "
+                "... --absent --key FILE`, or give the sweeper a key trusted for the sweeper role"
+            )
         while True:
             new, outcome, kind = self._swept(marked, verdict, why, by, signer)
             yield from self._noted(marked, new)
@@ -545,7 +552,7 @@ class _Machine:
             found = self._found(held, verdict, note, by, ttl, decision)
             return found, "found", "reconciled"
         now = self.backend.now()
-        if isinstance(verdict, Absent) and (signer is not None or self._trusted is None):
+        if isinstance(verdict, Absent):
             note = f"{why}; reconciler: absent"
             decision = None
             if signer is not None:
@@ -560,13 +567,6 @@ class _Machine:
                 resolved=held.last_seq() + 1,
             )  # fmt: skip
             return new, "absent", "fail"
-        if isinstance(verdict, Absent):
-            verdict = Unknown(
-                "its reconciler found no trace of it, but this ledger obeys only signed "
-                "settlements and this sweeper has no signing key (Sweeper(..., signer=...)), "
-                "so the next attempt would not run: settle it with `crewai-idempotent resolve "
-                "... --absent --key FILE`, or give the sweeper a key trusted for the sweeper role"
-            )
         error = held.error
         if held.status is Status.PENDING:
             error = (
