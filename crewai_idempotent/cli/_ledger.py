@@ -412,6 +412,8 @@ def _signing(key_file: str | None) -> tuple[Signer | None, TrustedKeys | None]:
         trusted = TrustedKeys.from_env()
     except SigningConfigurationError as exc:
         raise click.ClickException(safe(str(exc))) from None
+    except OSError as exc:  # a folder where a file was expected, say
+        raise click.ClickException(safe(f"cannot read {exc.filename}: {exc.strerror}")) from None
     return signer, trusted
 
 
