@@ -3,8 +3,11 @@
     digest(0) = SHA-256(TAG, the key, event 0)
     digest(i) = SHA-256(digest(i - 1), event i [, the digest of the decision signed with it])
 
-An event is its five fields (at, kind, token, by, note), each length-prefixed; a signed
-decision (a resolution) is its RFC 8785 JSON with its signature envelope. The digests are
+An event is the JSON array of its five fields (at, kind, token, by, note) and the digest
+of the decision signed with it, if any (written by pydantic-core's encoder, the one the
+record itself is written with: the same values give the same bytes wherever they are
+read back, from a store or an export); a signed decision (a resolution) is its RFC 8785
+JSON with its signature envelope. The digests are
 stored beside the history (`Record.chain`, one per event) rather than inside it: the
 previous release reads each event as exactly five fields.
 
@@ -34,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic_core
 import rfc8785
 
 TAG = b"crewai-idempotent/chain/v1\x00"
@@ -59,18 +63,19 @@ def link(
     """The digest (hex) of an event after `prev` (the digest before it, as bytes, or
     `start(key)` for the first), covering `signed` (`decision_digest`) when the event
     carries a signed decision."""
-    data = b"".join(
-        (
-            prev,
-            _field(repr(float(at))),
-            _field(kind),
-            _field(str(int(token))),
-            _field(by),
-            _field(note),
-            b"\x01" + signed if signed is not None else b"\x00",
-        )
-    )
-    return _sha256(data).hexdigest()
+    fields = [at, kind, token, by, note, None if signed is None else signed.hex()]
+    try:
+        data = pydantic_core.to_json(fields)
+    except pydantic_core.PydanticSerializationError:
+        # A lone surrogate: the record stores it escaped (`Record.to_json`), so is it here.
+        data = pydantic_core.to_json([_escaped(value) for value in fields])
+    return _sha256(prev + data).hexdigest()
+
+
+def _escaped(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
 
 
 def decision_digest(decision: Mapping[str, Any], signature: Mapping[str, Any] | None) -> bytes:
@@ -167,7 +172,7 @@ def events_of(doc: Mapping[str, Any]) -> list[_Event]:
             or not all(isinstance(text, str) for text in (kind, by, note))
         ):
             raise ValueError(f"event #{number} has a field of the wrong type: {item!r:.80}")
-        out.append(_Event(float(at), str(kind), token, str(by), str(note)))
+        out.append(_Event(at, str(kind), token, str(by), str(note)))
     return out
 
 
