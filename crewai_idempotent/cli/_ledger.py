@@ -186,7 +186,9 @@ def export(where: Where, **filters: Any) -> None:
     """Every record, with its full history and evidence, as JSON Lines (for audit).
 
     One JSON object per line, ASCII only: the record as `show --json` gives it, with each
-    history event as an object (at, at_utc, kind, token, by, note). Filters as for `ls`.
+    history event as an object (at, at_utc, kind, token, by, note), and its history's
+    chain and signed decisions, so that `verify --export` checks it on any machine.
+    Filters as for `ls`.
     Streamed in key order, so its memory stays flat however large the ledger is.
     """
     ledger, records, _ = _select(where, filters)

@@ -179,6 +179,26 @@ def test_a_found_resolution_that_cannot_be_verified_is_not_replayed(
     assert ledger.run("pay", lambda: "never") == "ch_forged"
 
 
+def test_the_async_path_refuses_an_unsigned_resolution_too(ledger: Ledger, alice: Signer) -> None:
+    import asyncio
+
+    with pytest.raises(OutcomeUnknown):
+        ledger.run("pay", unknown)
+    ledger.resolve("pay", absent=True, reason="unsigned")
+    ledger.trusted_keys = trust(alice)
+    ran: list[str] = []
+
+    async def body() -> str:
+        ran.append("charged")
+        return "ch_2"
+
+    with pytest.raises(DecisionRefused, match="carries no signature"):
+        asyncio.run(ledger.arun("pay", body))
+    assert ran == []
+    ledger.resolve("pay", absent=True, reason="none at the provider", signer=alice)
+    assert asyncio.run(ledger.arun("pay", body)) == "ch_2" and ran == ["charged"]
+
+
 def test_resolve_refuses_early_on_a_ledger_with_trusted_keys(
     ledger: Ledger, alice: Signer, tmp_path: Path
 ) -> None:
