@@ -7,6 +7,7 @@
     crewai-idempotent reconcile [--watch] [--dry-run] [--import myapp.reconcilers]
     crewai-idempotent doctor [--self-test]
     crewai-idempotent export > ledger.jsonl
+    crewai-idempotent verify [KEY] [--export FILE] [--against OLD_EXPORT]
 
 The ledger is `--ledger URL`, else `CREWAI_IDEMPOTENCY_URL`, else the embedded default
 (the SQLite file the crewai integration uses, in crewai's storage folder for the current
@@ -22,8 +23,9 @@ characters in keys, errors and receipts are shown escaped, and ledger passwords 
 
 The commands live beside this module: `_ledger` (ls, show, resolve, purge, export),
 `_gates` (approvals, spend), `_doctor`, `_demos`, `_reconcile` (the sweeper), `_notify`
-(notify, notifications), `_console` (the web console); they print through `_output` and
-find the ledger through `_where`, never through this module.
+(notify, notifications), `_console` (the web console), `_verify` (the histories' chains);
+they print through `_output` and find the ledger through `_where`, never through this
+module.
 
 Exit status: 0 done; 1 refused, not found, or the ledger is unavailable; 2 bad usage
 (including a malformed ledger URL or --result that is not JSON).
@@ -45,6 +47,7 @@ from ._ledger import export, list_records, purge, resolve, show
 from ._notify import notifications, notify
 from ._output import safe
 from ._reconcile import reconcile
+from ._verify import verify
 from ._where import Where
 
 __all__ = ["main"]
@@ -134,6 +137,7 @@ for _command in (
     notify,
     notifications,
     console,
+    verify,
 ):
     _accept_ledger(_command)
     main.add_command(_command)

@@ -6,13 +6,15 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import shutil
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .. import Ledger, LedgerUnavailable, Record, Status
+from .._errors import SigningConfigurationError
 from ..gates._approvals import KIND as APPROVALS
 from ..gates._gatestore import PREFIX, is_document
 from ..gates._spend import KIND as SPEND
@@ -36,7 +38,13 @@ from ._output import (
 )
 from ._where import Where
 
+if TYPE_CHECKING:
+    from ..signing._keyfile import Signer
+    from ..signing._trusted import TrustedKeys
+
 _STATUSES = ("pending", "committed", "failed", "uncertain")
+SIGNING_KEY_ENV = "CREWAI_IDEMPOTENCY_SIGNING_KEY"
+TRUSTED_KEYS_ENV = "CREWAI_IDEMPOTENCY_TRUSTED_KEYS"  # signing.ENV, without loading signing
 
 
 def _lease_left(ledger: Ledger, record: Record, now: float) -> float | None:
@@ -225,9 +233,10 @@ def export(where: Where, **filters: Any) -> None:
     """Every record, with its full history and evidence, as JSON Lines (for audit).
 
     One JSON object per line, ASCII only: the record as `show --json` gives it, with each
-    history event as an object (at, at_utc, kind, token, by, note). Filters as for `ls`.
-    Streamed in the store's order (the key's), so its memory stays flat however large the
-    ledger is.
+    history event as an object (at, at_utc, kind, token, by, note), and its history's
+    chain and signed decisions, so that `verify --export` checks it on any machine.
+    Filters as for `ls`. Streamed in the store's order (the key's), so its memory stays
+    flat however large the ledger is.
     """
     ledger, records, _ = _select(where, filters, Order.KEY)
     # Streamed: one record is written before the next is read, so an export of millions
@@ -346,6 +355,13 @@ def show(where: Where, key: str, as_json: bool) -> None:
 )
 @click.option("--result-text", metavar="TEXT", help="With --happened: the receipt, as plain text.")
 @click.option("--reason", required=True, help="Why: what you checked at the provider.")
+@click.option(
+    "--key",
+    "key_file",
+    metavar="FILE",
+    envvar=SIGNING_KEY_ENV,
+    help=f"Sign the resolution with this key file (`keys new`). Default: ${SIGNING_KEY_ENV}.",
+)
 @TYPED_NAME_REFUSED
 @click.pass_obj
 def resolve(
@@ -356,6 +372,7 @@ def resolve(
     result_json: str | None,
     result_text: str | None,
     reason: str,
+    key_file: str | None,
 ) -> None:
     """Settle an UNCERTAIN (or stale PENDING) record after checking the provider. The
     resolution is recorded as yours (user@host), as an approval is.
@@ -363,6 +380,12 @@ def resolve(
     --happened: the record becomes COMMITTED and --result/--result-text is replayed to every
     later call (without either, the result already stored on the record is kept, if any).
     --absent: the record becomes FAILED and the next attempt runs the operation.
+
+    --key FILE (or $CREWAI_IDEMPOTENCY_SIGNING_KEY): the resolution is signed with that key,
+    as its identity, and workers with trusted keys obey it only if they trust the key for
+    resolve. A signed resolution may also replace one they refuse (an unsigned one). With
+    $CREWAI_IDEMPOTENCY_TRUSTED_KEYS set, a resolution those keys would refuse is refused
+    here, before anything is written.
     """
     check_key(key)
     if happened == absent:
@@ -383,9 +406,12 @@ def resolve(
             ) from None
     elif result_text is not None:
         result = result_text
+    signer, trusted = _signing(key_file)
 
     with ledger_errors(where.scrub):
         ledger = where.ledger()
+        if trusted is not None:
+            ledger.trusted_keys = trusted
         before = ledger.get(key)
         if before is None:
             raise click.ClickException(
@@ -393,10 +419,11 @@ def resolve(
             )
         if happened and result_json is None and result_text is None:
             result = _kept_result(before)
+        signed: dict[str, Any] = {"signer": signer, "via": "cli"} if signer else {}
         if absent:
-            record = ledger.resolve(key, absent=True, reason=reason)
+            record = ledger.resolve(key, absent=True, reason=reason, **signed)
         else:
-            record = ledger.resolve(key, result=result, reason=reason)
+            record = ledger.resolve(key, result=result, reason=reason, **signed)
 
     out = console()
     if before.needs_operator:
@@ -407,6 +434,8 @@ def resolve(
                 "stays on the record"
             )
         )
+    if signer is not None:
+        out.print(safe(f"signed by {signer.identity} (key {signer.key_id})"))
     if absent:
         out.print(safe(f"resolved {key!r} as absent: FAILED; the next attempt runs the operation"))
     else:
@@ -417,6 +446,24 @@ def resolve(
                 f"call replays {replayed}"
             )
         )
+
+
+def _signing(key_file: str | None) -> tuple[Signer | None, TrustedKeys | None]:
+    """The signer --key names, and the trusted keys $CREWAI_IDEMPOTENCY_TRUSTED_KEYS
+    names (checked here as the workers check them), each None when not given."""
+    if key_file is None and not os.environ.get(TRUSTED_KEYS_ENV, "").strip():
+        return None, None  # nothing of signing to load
+    from ..signing._keyfile import Signer
+    from ..signing._trusted import TrustedKeys
+
+    try:
+        signer = None if key_file is None else Signer.from_file(key_file)
+        trusted = TrustedKeys.from_env()
+    except SigningConfigurationError as exc:
+        raise click.ClickException(safe(str(exc))) from None
+    except OSError as exc:  # a folder where a file was expected, say
+        raise click.ClickException(safe(f"cannot read {exc.filename}: {exc.strerror}")) from None
+    return signer, trusted
 
 
 def _kept_result(record: Record) -> Any:

@@ -22,10 +22,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import BodyFailed, IdempotencyError, LedgerUnavailable, OutcomeUncertain
 from ..notifications import _incidents
+from . import _resolutions
 from ._backend import CacheBackend, ledger_option, url_of
 from ._keys import validate_key
 from ._leases import _Claim, _LeaseKeeper
@@ -47,6 +48,10 @@ from ._record import Record, Status, _whoami
 from ._rooms import _Lanes, _Rooms
 from ._select import Order, Select
 from ._steps import _MISSING, Outcome, Settled, Stage, Step, _Ask, _Call, _Park, _Sleep
+
+if TYPE_CHECKING:
+    from ..signing._keyfile import Signer
+    from ..signing._trusted import TrustedKeys
 
 # Names other modules import from here: the guard's public face in one place.
 __all__ = [
@@ -123,8 +128,17 @@ class Ledger(_Machine):
     it the answer is `Unknown` (the record turns UNCERTAIN) and a late one is ignored.
     None waits without bound.
 
-    Raises `TypeError` for a `backend` that is not a `CacheBackend` or a duration that is
-    not a number, `ValueError` for a duration out of range.
+    `trusted_keys` (`signing.TrustedKeys`, also a settable attribute): the keys a
+    resolution must be signed with before it is obeyed. With them, a FAILED record a
+    resolution settled as absent is taken over, and a COMMITTED one a resolution settled
+    as found is replayed, only once the resolution's signature verifies (role resolve, or
+    sweeper for a sweeper's) and the decision is about the record as stored; else
+    `DecisionRefused` and nothing runs. `resolve` then needs a signer. None (the default):
+    resolutions are obeyed as written.
+
+    Raises `TypeError` for a `backend` that is not a `CacheBackend`, a duration that is
+    not a number or `trusted_keys` that are not `TrustedKeys`, `ValueError` for a
+    duration out of range.
     """
 
     def __init__(
@@ -139,6 +153,7 @@ class Ledger(_Machine):
         commit_retry_s: float = 10.0,
         clock: Clock | None = None,
         reconcile_timeout_s: float | None = 30.0,
+        trusted_keys: TrustedKeys | None = None,
     ) -> None:
         if not isinstance(backend, CacheBackend):
             raise TypeError(f"backend must be a CacheBackend, not {type(backend).__name__}")
@@ -161,9 +176,30 @@ class Ledger(_Machine):
         self._keeper = _LeaseKeeper(backend, clock)
         self._rooms = _Rooms(clock)
         self._lanes = _Lanes()
+        self._trusted = None
+        self.trusted_keys = trusted_keys
 
     def __repr__(self) -> str:
         return f"Ledger({self.backend!r})"
+
+    @property
+    def trusted_keys(self) -> TrustedKeys | None:
+        """The keys resolutions must be signed with before they are obeyed (see the
+        class); None: resolutions are obeyed as written. Setting anything but
+        `TrustedKeys` or None raises `TypeError`."""
+        return self._trusted
+
+    @trusted_keys.setter
+    def trusted_keys(self, trusted: TrustedKeys | None) -> None:
+        if trusted is not None:
+            from ..signing._trusted import TrustedKeys
+
+            if not isinstance(trusted, TrustedKeys):
+                raise TypeError(
+                    "trusted_keys must be signing.TrustedKeys (TrustedKeys.load(path or "
+                    f"lines)) or None, not {type(trusted).__name__}"
+                )
+        self._trusted = trusted
 
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(kind, record)` on claim, replay, commit, fail, conflict, uncertain…
@@ -484,24 +520,48 @@ class Ledger(_Machine):
         absent: bool = False,
         by: str | None = None,
         reason: str = "",
+        signer: Signer | None = None,
+        via: str = "api",
     ) -> Record:
         """Settle an UNCERTAIN (or stale PENDING) record after checking the outside system.
 
         `result=...` says the operation happened: the record under `key` is COMMITTED and
         `result` is replayed from now on. `absent=True` says it did not: the record is
-        FAILED and the next attempt runs. Who (`by`, by default this user at this host)
-        and why (`reason`) are kept in its history.
+        FAILED and the next attempt runs. Who (`by`, by default this user at this host, or
+        the signer's identity) and why (`reason`) are kept in its history.
 
-        Raises `ValueError` unless exactly one of `result` and `absent` is given,
+        `signer` (a `signing.Signer`): the resolution is signed, as a `signing.Decision`
+        (found with the digest of the receipt, or absent; the key and the record's fencing
+        token; made `via` api, cli or console), and the decision and its signature are kept
+        on the record, bound into its history's chain. A signer may also replace a
+        resolution already made (one a ledger with trusted keys refuses). A ledger with
+        `trusted_keys` refuses a resolution without one, and one whose key it does not
+        trust for resolve, before writing anything.
+
+        Raises `ValueError` unless exactly one of `result` and `absent` is given, for a
+        `by` that is not the signer's identity, or a `via` a decision cannot name,
         `InvalidIdempotencyKey` for a bad key, `ResolutionRefused` for a record that is
-        neither UNCERTAIN nor PENDING with a lapsed lease (or is missing), and
-        `LedgerUnavailable` if the store cannot be written.
+        neither UNCERTAIN nor PENDING with a lapsed lease (nor, with a signer, settled by a
+        resolution) or is missing, `DecisionRefused` on a ledger with trusted keys without
+        a signer or with one it does not trust, `TypeError` for a receipt with no canonical
+        form to sign, and `LedgerUnavailable` if the store cannot be written.
         """
         if (result is _MISSING) == (not absent):
             raise ValueError("pass exactly one of result=... or absent=True")
         validate_key(key)
+        if signer is None and self._trusted is not None:
+            raise _resolutions.refuse_unsigned(key, self._trusted)
+        if signer is not None:
+            if by is not None and by != signer.identity:
+                raise ValueError(
+                    f"the signer signs as {signer.identity!r}: a resolution by {by!r} cannot "
+                    "be signed with it (leave by= out)"
+                )
+            if via not in ("api", "cli", "console", "slack"):
+                raise ValueError(f"via must be api, cli, console or slack, not {via!r}")
+            by = signer.identity
         by = by or _whoami()
-        return self._drive(self._resolve(key, result, absent, by, reason))
+        return self._drive(self._resolve(key, result, absent, by, reason, signer, via))
 
     def purge(self, *, expired_only: bool = True) -> int:
         """Delete COMMITTED records whose TTL has passed (or, with `expired_only=False`,

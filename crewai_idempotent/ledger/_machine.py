@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import (
     IdempotencyKeyConflict,
@@ -33,7 +33,9 @@ from .._errors import (
     ResolutionRefused,
 )
 from ..notifications import _outbox
-from ._backend import CacheBackend
+from . import _resolutions
+from ._backend import CacheBackend, ledger_option
+from ._chain import link, start
 from ._hostclock import HostClock
 from ._leases import _Claim
 from ._policy import Listener, _Options
@@ -42,6 +44,10 @@ from ._record import Event, HostDeadline, Owner, Peek, Record, Status, _label, _
 from ._results import decode, encode
 from ._rooms import _UNKNOWN, _Room, _Rooms
 from ._steps import _MISSING, Outcome, Step, Swept, _Ask, _Call, _Park, _Sleep
+
+if TYPE_CHECKING:
+    from ..signing._keyfile import Signer
+    from ..signing._trusted import TrustedKeys
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -62,6 +68,8 @@ class _Machine:
     # The host's clock when every process using the store runs on this host (the
     # backend's `host_clock`): leases and TTLs are judged by it as well as by `now()`.
     _host: HostClock | None
+    # The keys resolutions must be signed with before they are obeyed (None: any is).
+    _trusted: TrustedKeys | None
 
     def _replay(self, peeked: Peek | None, o: _Options) -> Outcome[Any] | None:
         """The replay of a peeked record, if it is a live receipt for these arguments.
@@ -72,6 +80,8 @@ class _Machine:
         before it starts `_acquire`; the async one peeks inside `_acquire`, on a lane.
         """
         if peeked is not None and peeked.replayable(o.fingerprint, self.backend.now(), self._host):
+            if self._trusted is not None and peeked.resolved:
+                self._obeyed(peeked.record())  # a receipt a resolution found: signed?
             if self._listeners:
                 self._emit("replay", peeked.record())
             return Outcome(decode(peeked.result), True, peeked)
@@ -142,6 +152,8 @@ class _Machine:
             if held is not None and status is not Status.PENDING and status is not Status.FAILED:
                 if status is Status.COMMITTED and not held.expired(now, self._host):
                     self._check_fingerprint(held, o)
+                    if self._trusted is not None and held.resolved is not None:
+                        self._obeyed(held)
                     self._emit("replay", held)
                     return Outcome(held.value(), True, held)
                 if status is Status.UNCERTAIN:
@@ -227,10 +239,12 @@ class _Machine:
         now = self.backend.now()
         owner = Owner.current()
         label = owner.label
+        key = room.key
         record = Record(
-            room.key, Status.PENDING, o.fingerprint, 1, 1, owner, 1, now, now, now + o.lease_s,
+            key, Status.PENDING, o.fingerprint, 1, 1, owner, 1, now, now, now + o.lease_s,
             None, None, None, False, (), (Event(now, "claim", 1, label),),
-            self._host_lease(o.lease_s), None, _call(o),
+            self._host_lease(o.lease_s), None, _call(o), None,
+            (link(start(key), now, "claim", 1, label, ""),),
         )  # fmt: skip
         try:
             holder = yield _Call(self.backend.insert, record, claims=record)
@@ -255,6 +269,8 @@ class _Machine:
         if status is Status.COMMITTED:  # expired
             return (yield from self._take_over(held, o, "expire", "TTL passed; new operation"))
         if status is Status.FAILED:
+            if self._trusted is not None and _resolutions.needs_check(held):
+                self._obeyed(held)  # FAILED by a resolution: the next attempt runs if signed
             return (yield from self._take_over(held, o, "takeover", "previous attempt failed"))
         if status is Status.UNCERTAIN:  # with a reconciler
             return (yield from self._reconcile(room, held, o, "uncertain"))
@@ -305,6 +321,12 @@ class _Machine:
         """A receipt's TTL from now on the host's clock, if the store has one."""
         host = self._host
         return None if host is None or not ttl else (host.boot, host.elapsed() + ttl)
+
+    def _obeyed(self, held: Record) -> None:
+        """Raise `DecisionRefused` unless the resolution `held`'s status comes from is
+        signed by a trusted key and is about `held` as stored (`_resolutions.check`)."""
+        assert self._trusted is not None
+        _resolutions.check(held, self._trusted, ledger_option(self.backend))
 
     def _check_fingerprint(self, held: Record, o: _Options) -> None:
         if held.fingerprint != o.fingerprint:
@@ -379,11 +401,23 @@ class _Machine:
         yield from self._mark_uncertain(held, f"{why}; {verdict.reason}", unanswered)
         return None
 
-    def _found(self, held: Record, verdict: Found, note: str, by: str, ttl: float | None) -> Record:
-        """`held` COMMITTED with the receipt a reconciler found, expiring as a commit would."""
+    def _found(
+        self,
+        held: Record,
+        verdict: Found,
+        note: str,
+        by: str,
+        ttl: float | None,
+        decision: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    ) -> Record:
+        """`held` COMMITTED with the receipt a reconciler found, expiring as a commit would;
+        `decision`: a sweeper's signed decision, stored with the event (and the record
+        marked as resolved by it)."""
         now = self.backend.now()
         return held.evolve(
             Event(now, "reconcile", held.token, by, note),
+            decision=decision,
+            resolved=None if decision is None else held.last_seq() + 1,
             status=Status.COMMITTED,
             updated_at=now,
             lease_expires_at=None,
@@ -400,6 +434,7 @@ class _Machine:
         by: str,
         hold_s: float,
         dry_run: bool = False,
+        signer: Signer | None = None,
     ) -> Step[Swept]:
         """A sweeper's look at one record, and the settlement its reconciler's answer calls
         for when the record is a sweeper's to settle: UNCERTAIN, or PENDING with a lapsed
@@ -413,6 +448,11 @@ class _Machine:
         with the attempt in its history. Each write is a compare-and-set, like any other:
         an owner that renewed or finished meanwhile wins, and the answer is written to a
         record that changed only while it is still open under the same token.
+
+        With `signer`, a settlement is signed (`_resolutions`): the decision, via the
+        sweeper, is stored with its event. Without one, on a ledger with trusted keys, an
+        Absent answer is not written (workers would not obey it): the record stays
+        UNCERTAIN, its history saying why.
         """
         held = yield _Call(self.backend.get, key)
         while True:
@@ -430,8 +470,15 @@ class _Machine:
                 break
             held = yield _Call(self.backend.get, key)
         verdict = yield _Ask(ask.reconcile, key, ask.args, ask.timeout, marked)
+        if isinstance(verdict, Absent) and signer is None and self._trusted is not None:
+            verdict = Unknown(
+                "its reconciler found no trace of it, but this ledger obeys only signed "
+                "settlements and this sweeper has no signing key (Sweeper(..., signer=...)), "
+                "so the next attempt would not run: settle it with `crewai-idempotent resolve "
+                "... --absent --key FILE`, or give the sweeper a key trusted for the sweeper role"
+            )
         while True:
-            new, outcome, kind = self._swept(marked, verdict, why, by)
+            new, outcome, kind = self._swept(marked, verdict, why, by, signer)
             yield from self._noted(marked, new)
             if (yield _Call(self.backend.replace, marked, new)):
                 self._rooms.publish(key, new)
@@ -484,21 +531,40 @@ class _Machine:
         return f"it is {held.status.value}"
 
     def _swept(
-        self, held: Record, verdict: Found | Absent | Unknown, why: str, by: str
+        self,
+        held: Record,
+        verdict: Found | Absent | Unknown,
+        why: str,
+        by: str,
+        signer: Signer | None = None,
     ) -> tuple[Record, str, str]:
         """The record a sweeper writes for a reconciler's answer: (record, outcome, the
-        listeners' kind)."""
+        listeners' kind). Signed by `signer` when given."""
         ttl = (held.call or {}).get("ttl", self.ttl)
         if isinstance(verdict, Found):
-            found = self._found(held, verdict, f"{why}; reconciler found it", by, ttl)
+            note = f"{why}; reconciler found it"
+            decision = None
+            if signer is not None:
+                decision = _resolutions.signed(
+                    held, absent=False, result=encode(verdict.result), signer=signer,
+                    via="sweeper", reason=note, at=self.backend.now(),
+                )  # fmt: skip
+            found = self._found(held, verdict, note, by, ttl, decision)
             return found, "found", "reconciled"
         now = self.backend.now()
         if isinstance(verdict, Absent):
             note = f"{why}; reconciler: absent"
+            decision = None
+            if signer is not None:
+                decision = _resolutions.signed(
+                    held, absent=True, result=None, signer=signer, via="sweeper", reason=note,
+                    at=now,
+                )  # fmt: skip
             new = held.evolve(
-                Event(now, "absent", held.token, by, note),
+                Event(now, "absent", held.token, by, note), decision=decision,
                 status=Status.FAILED, updated_at=now, lease_expires_at=None,
                 error=f"{by}: its reconciler found no trace of it; the next attempt runs it",
+                resolved=held.last_seq() + 1,
             )  # fmt: skip
             return new, "absent", "fail"
         error = held.error
@@ -682,30 +748,58 @@ class _Machine:
             return new
         return None
 
-    def _resolve(self, key: str, result: Any, absent: bool, by: str, reason: str) -> Step[Record]:
+    def _resolve(
+        self,
+        key: str,
+        result: Any,
+        absent: bool,
+        by: str,
+        reason: str,
+        signer: Signer | None = None,
+        via: str = "api",
+    ) -> Step[Record]:
+        """Settle `key`'s record as an operator says (`Ledger.resolve`): signed by `signer`
+        when given, which may also replace a resolution already made (one that a ledger
+        with trusted keys refuses, say)."""
+        payload = None if absent else encode(result)
         while True:
             held = yield _Call(self.backend.get, key)
             if held is None:
                 raise ResolutionRefused(f"no record for idempotency key {key!r}")
             now = self.backend.now()
             stale = held.status is Status.PENDING and not held.lease_live(now, self._host)
-            if held.status is not Status.UNCERTAIN and not stale:
+            again = signer is not None and _resolutions.needs_check(held)
+            if held.status is not Status.UNCERTAIN and not stale and not again:
                 raise ResolutionRefused(
                     f"idempotency key {key!r} is {held.status}"
                     + (" with a live lease" if held.status is Status.PENDING else "")
-                    + "; only UNCERTAIN records, or PENDING ones whose lease expired, are resolved"
+                    + "; only UNCERTAIN records, or PENDING ones whose lease expired, are "
+                    "resolved (and, with a signing key, records a resolution settled)"
                 )
+            decision = None
+            if signer is not None:
+                decision = _resolutions.signed(
+                    held, absent=absent, result=payload, signer=signer, via=via, reason=reason,
+                    at=now,
+                )  # fmt: skip
+                if self._trusted is not None:
+                    from ..signing._verify import verify
+
+                    verify(*decision, self._trusted)  # an untrusted signer: refused, unwritten
             verdict = "absent" if absent else "happened"
             event = Event(now, "resolve", held.token, by, f"{verdict}: {reason}".rstrip(": "))
+            mark = held.last_seq() + 1
             if absent:
                 new = held.evolve(
-                    event, status=Status.FAILED, updated_at=now, lease_expires_at=None,
+                    event, decision=decision, resolved=mark,
+                    status=Status.FAILED, updated_at=now, lease_expires_at=None,
                     error=f"resolved absent by {by}: {reason}", needs_operator=False,
                 )  # fmt: skip
             else:
                 new = held.evolve(
-                    event, status=Status.COMMITTED, updated_at=now, lease_expires_at=None,
-                    result=encode(result), error=None, needs_operator=False,
+                    event, decision=decision, resolved=mark,
+                    status=Status.COMMITTED, updated_at=now, lease_expires_at=None,
+                    result=payload, error=None, needs_operator=False,
                     expires_at=now + self.ttl if self.ttl else None,  # as a commit would
                     host_expires=self._host_expiry(self.ttl),
                 )  # fmt: skip

@@ -21,6 +21,8 @@ from typing import Any
 import pydantic_core
 
 from .._error_base import CorruptRecord, LedgerUnavailable
+from . import _chain
+from ._chain import Signed, seq_of
 from ._hostclock import HostClock
 from ._results import decode
 
@@ -146,6 +148,22 @@ class Record:
     # A sweeper asking the record's reconciler: (who, until, on the store's clock). Other
     # sweepers leave the record alone until then; any later write drops the mark.
     reconciling: tuple[str, float] | None = None
+    # The history's hash chain (`_chain`): one digest per event of `history`; None while
+    # not yet computed (a record built without one, or one an older release wrote, which
+    # the next write chains). `chain_cut`: how many events the history limit cut after the
+    # first, and the digest of the last one cut. `chain_from`: the chain was started by a
+    # later write at this event (its sequence number, and when the last event before it
+    # was written): the events before it were written unchained.
+    chain: tuple[str, ...] | None = None
+    chain_cut: tuple[int, str] | None = None
+    chain_from: tuple[int, float] | None = None
+    # Decisions made with events of the history (resolutions), bound into the chain:
+    # (the event's sequence number, the decision's JSON, its signature envelope's or None).
+    signed: tuple[Signed, ...] = ()
+    # The record's status is what the resolution made with this event (its sequence
+    # number) decided: a ledger with trusted keys verifies it before obeying it. Any write
+    # that changes the status drops the mark.
+    resolved: int | None = None
 
     def __init__(
         self,
@@ -169,12 +187,18 @@ class Record:
         host_expires: HostDeadline | None = None,
         call: dict[str, Any] | None = None,
         reconciling: tuple[str, float] | None = None,
+        chain: tuple[str, ...] | None = None,
+        chain_cut: tuple[int, str] | None = None,
+        chain_from: tuple[int, float] | None = None,
+        signed: tuple[Signed, ...] = (),
+        resolved: int | None = None,
     ) -> None:
         (
             set_key, set_status, set_fingerprint, set_token, set_revision, set_owner,
             set_attempts, set_created_at, set_updated_at, set_lease_expires_at,
             set_expires_at, set_result, set_error, set_needs_operator, set_evidence,
             set_history, set_host_lease, set_host_expires, set_call, set_reconciling,
+            set_chain, set_chain_cut, set_chain_from, set_signed, set_resolved,
         ) = _RECORD_SETTERS  # fmt: skip
         set_key(self, key)
         set_status(self, status)
@@ -196,6 +220,25 @@ class Record:
         set_host_expires(self, host_expires)
         set_call(self, call)
         set_reconciling(self, reconciling)
+        set_chain(self, chain)
+        set_chain_cut(self, chain_cut)
+        set_chain_from(self, chain_from)
+        set_signed(self, signed)
+        set_resolved(self, resolved)
+
+    @property
+    def resolution(self) -> Signed | None:
+        """The decision stored with the resolution this record's status comes from (see
+        `resolved`): (its event's sequence number, the decision, the signature or None);
+        None when the status comes from no resolution, or its decision was not stored."""
+        seq = self.resolved
+        if seq is None:
+            return None
+        return next((entry for entry in self.signed if entry[0] == seq), None)
+
+    def last_seq(self) -> int:
+        """The sequence number of the history's last event (-1 for no history)."""
+        return seq_of(len(self.history) - 1, self.chain_cut) if self.history else -1
 
     def value(self) -> Any:
         """The stored result, decoded to what the body returned."""
@@ -287,28 +330,85 @@ class Record:
         `result`, `error`, `expires_at` and `host_expires`. The call's arguments stay only
         on an UNCERTAIN record, whose outcome is still open.
         """
+        history, chain, cut, signed, started = self._extended(event)
         return Record(
             self.key, status, self.fingerprint, self.token, self.revision + 1, self.owner,
             self.attempts, self.created_at, now, None, expires_at, result, error,
-            self.needs_operator, self.evidence, _appended(self.history, event), None,
-            host_expires, self.call if status is Status.UNCERTAIN else None,
+            self.needs_operator, self.evidence, history, None,
+            host_expires, self.call if status is Status.UNCERTAIN else None, None,
+            chain, cut, started, signed, None,
         )  # fmt: skip
 
-    def evolve(self, event: Event | None = None, **changes: Any) -> Record:
+    def _extended(
+        self, event: Event, decision: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+    ) -> tuple[
+        tuple[Event, ...],
+        tuple[str, ...],
+        tuple[int, str] | None,
+        tuple[Signed, ...],
+        tuple[int, float] | None,
+    ]:
+        """The history with `event` appended (and `decision`, a decision's JSON and its
+        signature's, made with it), its chain, cut, signed decisions and start, within the
+        limit. A history with no chain to extend (written by a release that keeps none, or
+        a chain damaged) is chained again from its first event, and the start marks where
+        (`chain_from`)."""
+        history, chain, cut, signed = self.history, self.chain, self.chain_cut, self.signed
+        started = self.chain_from
+        seq = seq_of(len(history), cut)
+        prev = _prev(self.key, chain, len(history))
+        if prev is None:  # no chain to extend: chain the history again, from its first event
+            if history:
+                started = (seq, float(history[-1].at))
+            chain = _chain.digests(self.key, history, cut, signed)
+            prev = bytes.fromhex(chain[-1]) if chain else _chain.start(self.key)
+        assert chain is not None
+        attached = None
+        if decision is not None:
+            attached = _chain.decision_digest(*decision)
+            signed = (*signed, (seq, *decision))
+        at, kind, token, by, note = event.at, event.kind, event.token, event.by, event.note
+        digest = _chain.link(prev, at, kind, token, by, note, attached)
+        history, chain = (*history, event), (*chain, digest)
+        over = len(history) - HISTORY_LIMIT
+        if over > 0:
+            # The first event stays, and the digest of the last one cut is the anchor the
+            # next links to: the events that remain still verify.
+            cut = ((cut[0] if cut else 0) + over, chain[over])
+            history, chain = history[:1] + history[over + 1 :], chain[:1] + chain[over + 1 :]
+            signed = tuple(entry for entry in signed if entry[0] == 0 or entry[0] > cut[0])
+        return history, chain, cut, signed, started
+
+    def evolve(
+        self,
+        event: Event | None = None,
+        *,
+        decision: tuple[dict[str, Any], dict[str, Any] | None] | None = None,
+        **changes: Any,
+    ) -> Record:
         """A copy with `changes` applied, the next revision, and `event` appended.
 
         A deadline on the host's clock goes with the wall-clock one it was written with:
         changing `lease_expires_at` (or `expires_at`) without giving `host_lease` (or
         `host_expires`) drops it, so a stale one never outlives its pair. A sweeper's mark
-        (`reconciling`) lasts only until the next write, and the call's arguments only
-        until a write settles the record (COMMITTED or FAILED).
+        (`reconciling`) lasts only until the next write, the call's arguments only until a
+        write settles the record (COMMITTED or FAILED), and the mark of a resolution
+        (`resolved`) until a write changes the status. `decision` (a decision's JSON and
+        its signature envelope's, or None) is stored with `event` and bound into the chain.
         """
         changes.setdefault("revision", self.revision + 1)
         changes.setdefault("reconciling", None)
         if "call" not in changes and changes.get("status") in _SETTLED:
             changes["call"] = None
+        if "resolved" not in changes and changes.get("status", self.status) is not self.status:
+            changes["resolved"] = None
         if event is not None:
-            changes["history"] = _appended(self.history, event)
+            history, chain, cut, signed, started = self._extended(event, decision)
+            changes["history"], changes["chain"] = history, chain
+            changes["chain_cut"], changes["signed"] = cut, signed
+            changes["chain_from"] = started
+        elif decision is not None:
+            raise TypeError("a decision is stored with the event it is made with")
         if "lease_expires_at" in changes and "host_lease" not in changes:
             changes["host_lease"] = None
         if "expires_at" in changes and "host_expires" not in changes:
@@ -363,6 +463,19 @@ class Record:
             doc["call"] = self.call
         if self.reconciling is not None:
             doc["reconciling"] = self.reconciling
+        # Written as read: a chain is computed by the write that appends an event (a record
+        # an older release wrote stays unchained until then, as `verify` should see it).
+        chain = self.chain
+        if chain is not None:
+            doc["chain"] = chain
+            if self.chain_cut is not None:
+                doc["chain_cut"] = self.chain_cut
+            if self.chain_from is not None:
+                doc["chain_from"] = self.chain_from
+        if self.signed:
+            doc["signed"] = self.signed
+        if self.resolved is not None:
+            doc["resolved"] = self.resolved
         return doc
 
     @classmethod
@@ -373,6 +486,8 @@ class Record:
     def from_doc(cls, d: dict[str, Any]) -> Record:
         """The record a decoded `to_json` document describes."""
         owner = d["owner"]
+        history = tuple(Event(*e) for e in d["history"])
+        chain, cut, start = _stored_chain(d)
         return cls(
             key=d["key"],
             status=Status(d["status"]),
@@ -389,11 +504,16 @@ class Record:
             error=d["error"],
             needs_operator=d["needs_operator"],
             evidence=tuple(d["evidence"]),
-            history=tuple(Event(*e) for e in d["history"]),
+            history=history,
             host_lease=_deadline(d.get("host_lease")),
             host_expires=_deadline(d.get("host_expires")),
             call=_call(d.get("call")),
             reconciling=_deadline(d.get("reconciling")),
+            chain=chain,
+            chain_cut=cut,
+            chain_from=start,
+            signed=_signed(d.get("signed")),
+            resolved=_resolved(d.get("resolved")),
         )
 
 
@@ -445,11 +565,58 @@ def _passed(deadline: HostDeadline | None, host: HostClock | None) -> bool:
     )
 
 
-def _appended(history: tuple[Event, ...], event: Event) -> tuple[Event, ...]:
-    history = (*history, event)
-    if len(history) > HISTORY_LIMIT:
-        history = history[:1] + history[-(HISTORY_LIMIT - 1) :]
-    return history
+def _stored_chain(
+    d: dict[str, Any],
+) -> tuple[tuple[str, ...] | None, tuple[int, str] | None, tuple[int, float] | None]:
+    """The chain a document stores (digests, cut, start) as it stores them, so that it is
+    written back the same (and `verify` sees what was stored); a part that is not even of
+    its shape is left out. Never raises: a damaged chain is `crewai-idempotent verify`'s to
+    report, not a reason to stop the guard (the next write that appends an event chains a
+    history it cannot extend again, and marks where: `Record._extended`)."""
+    stored = d.get("chain")
+    chain = None
+    if type(stored) is list and all(type(digest) is str for digest in stored):
+        chain = tuple(stored)
+    try:
+        cut = _chain._cut(d.get("chain_cut"))
+    except ValueError:
+        cut = None
+    try:
+        started = _chain._started(d.get("chain_from"))
+    except ValueError:
+        started = None
+    return chain, cut, started
+
+
+def _prev(key: str, chain: tuple[str, ...] | None, events: int) -> bytes | None:
+    """What the next event of a history of `events` links to, or None if `chain` cannot
+    be extended (missing, not one digest per event, its last one malformed)."""
+    if chain is None or len(chain) != events:
+        return None
+    if not chain:
+        return _chain.start(key)
+    last = chain[-1]
+    if len(last) != 64:
+        return None
+    try:
+        return bytes.fromhex(last)
+    except ValueError:
+        return None
+
+
+def _signed(stored: Any) -> tuple[Signed, ...]:
+    if not stored:
+        return ()
+    try:
+        return tuple(_chain._signed(stored))
+    except ValueError:
+        return ()  # unreadable decisions are no decisions: a ledger with trusted keys refuses
+
+
+def _resolved(stored: Any) -> int | None:
+    if stored is None or isinstance(stored, bool) or not isinstance(stored, int):
+        return None if stored is None else -1  # a mark that names no event: never obeyed
+    return stored
 
 
 _STATUS = {status.value: status for status in Status}
@@ -538,6 +705,16 @@ class Peek:
                 or not _passed(self._host_expires(), host)
             )
         )
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the record's status comes from a resolution (`Record.resolved`): a
+        ledger with trusted keys verifies it before replaying it. One look at the
+        document, not a decoding of its history."""
+        if self._record is not None:
+            return self._record.resolved is not None
+        assert self._doc is not None
+        return self._doc.get("resolved") is not None
 
     def _host_expires(self) -> HostDeadline | None:
         if self._record is not None:

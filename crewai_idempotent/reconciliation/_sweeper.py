@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import IdempotencyError, LedgerUnavailable
 from ..ledger._backend import CacheBackend, url_of
@@ -49,6 +49,9 @@ from ..ledger._steps import Step, Swept, _Ask, _Call
 from ..notifications import _incidents
 from ._alerts import Alert, AlertChannel, count_swept, default_channels, report_open, send_all
 from ._registry import Finder, Reconciler, _Blocking, key_prefix, tool_of
+
+if TYPE_CHECKING:
+    from ..signing._keyfile import Signer
 
 log = logging.getLogger("crewai_idempotent.reconciliation")
 
@@ -141,13 +144,20 @@ class Sweeper:
     narrow a pass; `dry_run` asks nothing and writes nothing, and says what it would ask.
     `concurrency`: how many records one pass works on at once.
 
+    `signer` (`signing.Signer`): the sweeper signs each settlement (found or absent, via
+    "sweeper") with its key, and the decision is kept on the record; workers whose ledger
+    has trusted keys obey it only if that key is trusted for the `sweeper` role. Without
+    one, a worker with trusted keys obeys none of its absent settlements, so a sweeper
+    whose own ledger has trusted keys does not write them: the record stays UNCERTAIN and
+    its history says why (settle it with a signed `resolve`).
+
     Raises `LedgerConfigurationError` for a ledger URL that cannot be opened (and what its
     backend raises), `ImportError` for one of `imports` that cannot be imported,
-    `TypeError` for a `ledger` of another kind, a reconciler that is neither callable nor
-    a str, a duration that is not a number or an `alert_unknowns` that is not a whole
-    number, and `ValueError` for a reconciler's import path that is malformed or names no
-    module, a duration out of range, or a `concurrency` that is not a whole number, 1 or
-    more.
+    `TypeError` for a `ledger` of another kind, a `signer` that is not a `Signer`, a
+    reconciler that is neither callable nor a str, a duration that is not a number or an
+    `alert_unknowns` that is not a whole number, and `ValueError` for a reconciler's
+    import path that is malformed or names no module, a duration out of range, or a
+    `concurrency` that is not a whole number, 1 or more.
     """
 
     def __init__(
@@ -169,7 +179,17 @@ class Sweeper:
         tools: Iterable[str] | None = None,
         keys: Iterable[str] | None = None,
         dry_run: bool = False,
+        signer: Signer | None = None,
     ) -> None:
+        if signer is not None:
+            from ..signing._keyfile import Signer
+
+            if not isinstance(signer, Signer):
+                raise TypeError(
+                    f"signer must be a signing.Signer (Signer.from_file(PATH)), not "
+                    f"{type(signer).__name__}"
+                )
+        self.signer = signer
         self._owns = not isinstance(ledger, Ledger)
         if isinstance(ledger, str):
             from ..backends._url import backend_from_url
@@ -379,7 +399,7 @@ class Sweeper:
         pick, chosen = self._picker(on_loop=False)
         try:
             swept = self.ledger._drive(
-                self.ledger._sweep(record.key, pick, by, self.hold_s, self.dry_run)
+                self.ledger._sweep(record.key, pick, by, self.hold_s, self.dry_run, self.signer)
             )
         except IdempotencyError as exc:
             return Result(record.key, "error", str(exc), tool_of(record), chosen[0], record)
@@ -389,7 +409,7 @@ class Sweeper:
         pick, chosen = self._picker(on_loop=True)
         ledger = self.ledger
         try:
-            steps = ledger._sweep(record.key, pick, by, self.hold_s, self.dry_run)
+            steps = ledger._sweep(record.key, pick, by, self.hold_s, self.dry_run, self.signer)
             swept = await ledger._adrive(steps, ledger._lanes.settle)
         except IdempotencyError as exc:
             return Result(record.key, "error", str(exc), tool_of(record), chosen[0], record)

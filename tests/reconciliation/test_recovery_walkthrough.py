@@ -271,8 +271,21 @@ def _holds(line: str, result: subprocess.CompletedProcess[str], shop: Shop) -> N
     if "charge:order-1043 --absent" in line or "show charge:order-9999" in line:
         assert result.returncode == 1, said
         return
+    if line.startswith("crewai-idempotent verify --trusted-keys"):
+        # Every history verifies; each resolution made without a signature is named.
+        named = {row.split(": ")[0] for row in out.splitlines()}
+        assert named == {f"'charge:order-{n}'" for n in (1041, 1042, 1044, 1045)}, said
+        assert result.returncode == 1 and all(": unsigned: " in row for row in out.splitlines())
+        return
     assert result.returncode == 0, said
-    if line == "crewai-idempotent ls":
+    if line.startswith("crewai-idempotent keys "):
+        pass  # a key file and its line in trusted_keys: what verify --trusted-keys reads
+    elif line.startswith("crewai-idempotent resolve charge:order-1042") and "--key" in line:
+        assert out.splitlines()[0].startswith("signed by alice@example.com (key SHA256:"), said
+        assert out.splitlines()[1].startswith("resolved 'charge:order-1042' as absent"), said
+    elif line.startswith("crewai-idempotent verify --against"):
+        assert result.stderr.endswith(": every history verifies\n"), said
+    elif line == "crewai-idempotent ls":
         assert _table(out) == {
             "charge:order-1043": "COMMITTED", "charge:order-1042": "UNCERTAIN",
             "charge:order-1045": "UNCERTAIN", "charge:order-1044": "UNCERTAIN (needs operator)",
