@@ -148,7 +148,9 @@ class DecisionRefused(IdempotencyError):
     `subject` names what it was for (the approval request, the idempotency key or the
     cap), `reason` says in one word what failed (`signing.REASONS`: unsigned, malformed,
     untrusted-key, algorithm, role, kind, identity, signature, credential, challenge,
-    origin, rp-id, user-presence, user-verification, client-data), `detail` how, and
+    origin, rp-id, user-presence, user-verification, client-data; and from the guard,
+    subject: a valid signature about another call or record, approvers: too few distinct
+    trusted approvers), `detail` how, and
     `key_id` the key the signature named (None when there was none)."""
 
     def __init__(

@@ -34,6 +34,7 @@ from ..integration._patch import is_supported, is_tested, newest_tested, support
 from ..integration.offline._selftest_process import run_in_subprocess
 from ..ledger._backend import url_of
 from ..ledger._select import Select
+from ._keys import SIGNING_KEY_ENV
 from ._ledger import is_stale
 from ._output import console, safe, stamp
 from ._where import Where
@@ -331,7 +332,6 @@ def _postgres_durability(backend: Any, out: _Report) -> None:
 
 
 _TRUSTED_ENV = "CREWAI_IDEMPOTENCY_TRUSTED_KEYS"  # signing.ENV, without loading signing
-_SIGNING_KEY_ENV = "CREWAI_IDEMPOTENCY_SIGNING_KEY"
 _UNSIGNED_UNTIL_ENV = "CREWAI_IDEMPOTENCY_ACCEPT_UNSIGNED_GRANTS_UNTIL"
 
 
@@ -384,14 +384,14 @@ def _signing_facts(out: _Report) -> None:
             f"${_UNSIGNED_UNTIL_ENV}={until}: approvals made without a signature still count "
             "until then",
         )
-    key_file = os.environ.get(_SIGNING_KEY_ENV, "").strip()
+    key_file = os.environ.get(SIGNING_KEY_ENV, "").strip()
     if key_file:
         try:
             signer = Signer.from_file(key_file)
         except SigningConfigurationError as exc:
-            out.problem("signing key", f"${_SIGNING_KEY_ENV}: {exc}")
+            out.problem("signing key", f"${SIGNING_KEY_ENV}: {exc}")
             return
-        named = f"${_SIGNING_KEY_ENV}: {signer.identity} (key {signer.key_id})"
+        named = f"${SIGNING_KEY_ENV}: {signer.identity} (key {signer.key_id})"
         known = None if trusted is None else trusted.get(signer.key_id)
         if trusted is None:
             out.fact("signing key", f"{named} signs the decisions made here")

@@ -22,18 +22,16 @@ from .._errors import (
     ApprovalAlreadyDecided,
     ApprovalNotFound,
     DecisionRefused,
-    SigningConfigurationError,
 )
 from .._units import exponent, format_money
 from ..gates._approvals import ApprovalState
 from ..ledger._record import _whoami
 from ..ledger._select import Order, Position
+from ._keys import SIGNING_KEY_ENV, TRUSTED_KEYS_ENV, load_signing, signing_key_option
 from ._output import duration, ledger_errors, machine_array, safe, stamp
 from ._where import Where
 
 _LS_SUMMARY = 200  # characters of the arguments `approvals ls` shows on a request's line
-SIGNING_KEY_ENV = "CREWAI_IDEMPOTENCY_SIGNING_KEY"
-TRUSTED_KEYS_ENV = "CREWAI_IDEMPOTENCY_TRUSTED_KEYS"  # signing.ENV, without loading signing
 
 
 def _approvals(
@@ -163,13 +161,7 @@ def _no_typed_name(ctx: click.Context, param: click.Parameter, value: str | None
 TYPED_NAME_REFUSED = click.option("--by", hidden=True, expose_value=False, callback=_no_typed_name)
 
 
-SIGNING_KEY = click.option(
-    "--key",
-    "key_file",
-    metavar="FILE",
-    envvar=SIGNING_KEY_ENV,
-    help=f"Sign the decision with this key file (`keys new`). Default: ${SIGNING_KEY_ENV}.",
-)
+SIGNING_KEY = signing_key_option("the decision")
 
 
 @approvals.command("approve")
@@ -209,11 +201,7 @@ def _signing(
 ) -> tuple[signing.Signer | None, signing.TrustedKeys | None]:
     """The signer --key names and the trusted keys of $CREWAI_IDEMPOTENCY_TRUSTED_KEYS
     (each None when not given); with trusted keys, a key is required."""
-    try:
-        trusted = signing.TrustedKeys.from_env()
-        signer = signing.Signer.from_file(key_file) if key_file else None
-    except SigningConfigurationError as exc:
-        raise click.ClickException(safe(str(exc))) from None
+    signer, trusted = load_signing(key_file)
     if trusted is not None and signer is None:
         why = (
             "the workers use no grant without a signature by one of them"

@@ -13,11 +13,56 @@ ledger: trusted keys live outside it.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .._errors import SigningConfigurationError
 from ._output import safe
+
+if TYPE_CHECKING:
+    from ..signing._keyfile import Signer
+    from ..signing._trusted import TrustedKeys
+
+#: The key file the decision commands sign with when --key is not given.
+SIGNING_KEY_ENV = "CREWAI_IDEMPOTENCY_SIGNING_KEY"
+#: `signing.ENV`, named here without loading the signing package.
+TRUSTED_KEYS_ENV = "CREWAI_IDEMPOTENCY_TRUSTED_KEYS"
+
+
+def signing_key_option(what: str, flag: str = "--key") -> Callable[[Any], Any]:
+    """The option naming the key file a command signs `what` with ($CREWAI_IDEMPOTENCY_
+    SIGNING_KEY by default), given to the command as `key_file`."""
+    return click.option(
+        flag,
+        "key_file",
+        metavar="FILE",
+        envvar=SIGNING_KEY_ENV,
+        help=f"Sign {what} with this key file (`keys new`). Default: ${SIGNING_KEY_ENV}.",
+    )
+
+
+def load_signing(key_file: str | None) -> tuple[Signer | None, TrustedKeys | None]:
+    """The signer `key_file` names and the trusted keys $CREWAI_IDEMPOTENCY_TRUSTED_KEYS
+    names (checked here as the workers check them), each None when not given; a key file
+    or trusted keys that cannot be used are said as the command's error."""
+    import os
+
+    if key_file is None and not os.environ.get(TRUSTED_KEYS_ENV, "").strip():
+        return None, None  # nothing of signing to load
+    from ..signing._keyfile import Signer
+    from ..signing._trusted import TrustedKeys
+
+    try:
+        signer = None if key_file is None else Signer.from_file(key_file)
+        trusted = TrustedKeys.from_env()
+    except SigningConfigurationError as exc:
+        raise _refused(exc) from None
+    except OSError as exc:  # a folder where a file was expected, say
+        raise click.ClickException(safe(f"cannot read {exc.filename}: {exc.strerror}")) from None
+    return signer, trusted
+
 
 _ROLES_HELP = (
     "What the workers trust the key for, comma-separated: approve (approvals and denials), "

@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -14,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .. import Ledger, LedgerUnavailable, Record, Status
-from .._errors import SigningConfigurationError
 from ..gates._approvals import KIND as APPROVALS
 from ..gates._gatestore import PREFIX, is_document
 from ..gates._spend import KIND as SPEND
@@ -23,6 +21,7 @@ from ..ledger._results import describe, unrestorable
 from ..ledger._select import Order, Select
 from ..notifications._outbox import OUTBOX, is_entry
 from ._gates import TYPED_NAME_REFUSED
+from ._keys import load_signing, signing_key_option
 from ._output import (
     ago,
     check_key,
@@ -39,12 +38,9 @@ from ._output import (
 from ._where import Where
 
 if TYPE_CHECKING:
-    from ..signing._keyfile import Signer
-    from ..signing._trusted import TrustedKeys
+    pass
 
 _STATUSES = ("pending", "committed", "failed", "uncertain")
-SIGNING_KEY_ENV = "CREWAI_IDEMPOTENCY_SIGNING_KEY"
-TRUSTED_KEYS_ENV = "CREWAI_IDEMPOTENCY_TRUSTED_KEYS"  # signing.ENV, without loading signing
 
 
 def _lease_left(ledger: Ledger, record: Record, now: float) -> float | None:
@@ -355,13 +351,7 @@ def show(where: Where, key: str, as_json: bool) -> None:
 )
 @click.option("--result-text", metavar="TEXT", help="With --happened: the receipt, as plain text.")
 @click.option("--reason", required=True, help="Why: what you checked at the provider.")
-@click.option(
-    "--key",
-    "key_file",
-    metavar="FILE",
-    envvar=SIGNING_KEY_ENV,
-    help=f"Sign the resolution with this key file (`keys new`). Default: ${SIGNING_KEY_ENV}.",
-)
+@signing_key_option("the resolution")
 @TYPED_NAME_REFUSED
 @click.pass_obj
 def resolve(
@@ -406,7 +396,7 @@ def resolve(
             ) from None
     elif result_text is not None:
         result = result_text
-    signer, trusted = _signing(key_file)
+    signer, trusted = load_signing(key_file)
 
     with ledger_errors(where.scrub):
         ledger = where.ledger()
@@ -446,24 +436,6 @@ def resolve(
                 f"call replays {replayed}"
             )
         )
-
-
-def _signing(key_file: str | None) -> tuple[Signer | None, TrustedKeys | None]:
-    """The signer --key names, and the trusted keys $CREWAI_IDEMPOTENCY_TRUSTED_KEYS
-    names (checked here as the workers check them), each None when not given."""
-    if key_file is None and not os.environ.get(TRUSTED_KEYS_ENV, "").strip():
-        return None, None  # nothing of signing to load
-    from ..signing._keyfile import Signer
-    from ..signing._trusted import TrustedKeys
-
-    try:
-        signer = None if key_file is None else Signer.from_file(key_file)
-        trusted = TrustedKeys.from_env()
-    except SigningConfigurationError as exc:
-        raise click.ClickException(safe(str(exc))) from None
-    except OSError as exc:  # a folder where a file was expected, say
-        raise click.ClickException(safe(f"cannot read {exc.filename}: {exc.strerror}")) from None
-    return signer, trusted
 
 
 def _kept_result(record: Record) -> Any:

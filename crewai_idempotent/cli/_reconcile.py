@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ._keys import load_signing, signing_key_option
 from ._output import duration, ledger_errors, machine, safe
 from ._where import Where
 
@@ -111,6 +112,7 @@ _SHOWN = {
 @click.option(
     "--json", "as_json", is_flag=True, help="The report as JSON (a line per pass, watching)."
 )
+@signing_key_option("its settlements", flag="--signing-key")
 @click.option("--passes", type=click.IntRange(1), hidden=True)
 @click.pass_obj
 def reconcile(
@@ -130,6 +132,7 @@ def reconcile(
     concurrency: int,
     no_entry_points: bool,
     as_json: bool,
+    key_file: str | None,
     passes: int | None,
 ) -> None:
     """Settle UNCERTAIN records and stale claims by asking each tool's reconciler.
@@ -140,6 +143,11 @@ def reconcile(
     and one that needs an operator are left alone. Many sweepers may run on one ledger.
     Reconcilers are found by tool name (--import, entry points) or by the import path a
     record names under an --import or --trust module. See docs/recovery.md.
+
+    --signing-key FILE (or $CREWAI_IDEMPOTENCY_SIGNING_KEY) signs the settlements: workers
+    with trusted keys obey a sweeper's settlement only when its key's line says `sweeper`.
+    With $CREWAI_IDEMPOTENCY_TRUSTED_KEYS set, the sweeper checks its settlements against
+    them, and without a key it leaves an absent answer unwritten.
     """
     # Every duration read before anything is opened or imported.
     pause, timeout_s = _seconds(interval), duration(timeout)
@@ -149,8 +157,11 @@ def reconcile(
     if imports and os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     _log_to_stderr(verbose=watch)
+    signer, trusted = load_signing(key_file)
     with ledger_errors(where.scrub):
         ledger = where.ledger()
+        if trusted is not None:
+            ledger.trusted_keys = trusted
     try:
         from ..reconciliation import Sweeper
 
@@ -168,6 +179,7 @@ def reconcile(
             backoff_s=backoff_s,
             max_backoff_s=max_backoff_s,
             alert_after_s=alert_after_s,
+            signer=signer,
         )
     except ImportError as exc:
         raise click.ClickException(safe(f"--import: {type(exc).__name__}: {exc}")) from None

@@ -28,6 +28,9 @@ REASONS = (
     "unsigned", "malformed", "untrusted-key", "algorithm", "kind", "role", "identity",
     "signature", "credential", "client-data", "challenge", "origin", "rp-id",
     "user-presence", "user-verification",
+    # Said by the guard, not by `verify`: a valid signature about another call, record or
+    # receipt (`subject`), and a grant short of distinct trusted approvers (`approvers`).
+    "subject", "approvers",
 )  # fmt: skip
 
 

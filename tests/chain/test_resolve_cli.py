@@ -95,3 +95,33 @@ def test_the_command_a_refusal_names_settles_the_record_when_pasted(
     assert result.exit_code == 0, result.output
     assert ledger.run("pay:1", lambda: "ran") == "ran"
     ledger.close()
+
+
+def test_reconcile_signs_its_settlements_with_signing_key_and_without_one_leaves_absent_open(
+    tmp_path: Path, trusted: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.support.reconcile import uncertain
+
+    sweeper = Signer.create(tmp_path / "sweeper.key", identity="payments-sweeper",
+                            roles=["sweeper"])  # fmt: skip
+    trusted.write_text(trusted.read_text() + sweeper.trusted_line() + "\n")
+    ledger = Ledger(SQLiteCacheBackend(tmp_path / "ledger.db"))
+    uncertain(ledger, "pay:1", {"answer": "absent"})
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    monkeypatch.setenv("CREWAI_IDEMPOTENCY_TRUSTED_KEYS", str(trusted))
+    monkeypatch.delenv("CREWAI_IDEMPOTENCY_SIGNING_KEY", raising=False)
+    sweep = ["--ledger", url, "reconcile", "--import", "tests.support.reconcile",
+             "--no-entry-points", "--backoff", "0s"]  # fmt: skip
+    unsigned = CliRunner().invoke(cli, sweep)
+    assert unsigned.exit_code == 0, unsigned.output
+    assert "this sweeper has no signing key" in unsigned.output
+    assert ledger.get("pay:1").status is Status.UNCERTAIN  # type: ignore[union-attr]
+
+    signed = CliRunner().invoke(cli, [*sweep, "--signing-key", str(tmp_path / "sweeper.key")])
+    assert signed.exit_code == 0, signed.output
+    record = ledger.get("pay:1")
+    assert record is not None and record.status is Status.FAILED
+    assert record.resolution is not None and record.resolution[1]["by"] == "payments-sweeper"
+    ledger.trusted_keys = TrustedKeys.load(trusted)
+    assert ledger.run("pay:1", lambda: "ran", fingerprint="fp") == "ran"
+    ledger.close()
