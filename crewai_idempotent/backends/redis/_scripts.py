@@ -1,62 +1,246 @@
 """The Lua scripts that make every write to a Redis ledger one atomic step.
 
-The layout: each record is a hash (`status`, `token`, `revision`, `doc`) under
-`<prefix>r:<key>`, and each status has a sorted set `<prefix>i:<STATUS>` of keys scored by
-their last update. The keys of the package's own documents (`crewai-idempotent/...`) are
-also members of `<prefix>docs`, all scored 0, so a prefix of them is a ZRANGEBYLEX.
-A script reads and writes in one step, which Redis runs atomically, so nothing is read in
-one round trip and written in another. Each script is idempotent: one whose effect is
-already stored reports success, so a script sent again after a lost reply cannot turn a
-landed write into a refusal.
+The layout (`_layout`): each record is a hash (`status`, `token`, `revision`, `doc`)
+under `<prefix>r:<key>`, and each status has a sorted set `<prefix>i:<STATUS>` of keys
+scored by their last update. The keys of the package's own documents
+(`crewai-idempotent/...`) are also members of `<prefix>docs`, all scored 0, so a prefix
+of them is a ZRANGEBYLEX. A script reads and writes in one step, which Redis runs
+atomically, so nothing is read in one round trip and written in another. Each script is
+idempotent: one whose effect is already stored reports success, so a script sent again
+after a lost reply cannot turn a landed write into a refusal.
+
+This release's scripts also keep the secondary indexes (`<prefix>x:...`) in the same
+step, from entries the client computes from the record it writes (`_layout.Entries`: no
+JSON is parsed here, so no document can make a write fail), note in the hash which
+entries the record has (removed exactly when it changes), and increment the change
+counter. The previous release's scripts (the text of commit 61b49de, which its workers
+send during a rolling deployment) keep only the status indexes and `docs`, so those stay
+exactly as they maintain them.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 from ...ledger._backend import DOCUMENTS
 
-# KEYS[1] the record; KEYS[2] the index of the new status; KEYS[3] the documents' index.
+# reindex(rkey, member, at, held, e, needs, expiry, buckets): the record's secondary
+# entries become `e` ({stamp, needs, expiry, state, timed, bucket, subject}: ARGV text,
+# '' for none), leaving those its hash names (`held`: xn, xe, xs, xt, xk; false when
+# absent) that `e` does not keep. Returns the hash fields to set and those to delete.
+_REINDEX = """
+local function reindex(member, at, held, e, needs, expiry, buckets)
+    local set = {'x', e[1]}
+    local gone = {}
+    if e[2] ~= '' then
+        redis.call('ZADD', needs, at, member)
+        set[#set + 1] = 'xn'; set[#set + 1] = '1'
+    elseif held[1] then
+        redis.call('ZREM', needs, member); gone[#gone + 1] = 'xn'
+    end
+    if e[3] ~= '' then
+        redis.call('ZADD', expiry, e[3], member)
+        set[#set + 1] = 'xe'; set[#set + 1] = '1'
+    elseif held[2] then
+        redis.call('ZREM', expiry, member); gone[#gone + 1] = 'xe'
+    end
+    local names = {'xs', 'xt', 'xk'}
+    local new = {e[4], e[5], e[7]}
+    local score = {0, at, 0}
+    for i = 1, 3 do
+        local was = held[i + 2]
+        if was and was ~= new[i] then redis.call('ZREM', was, member) end
+        if new[i] ~= '' then
+            redis.call('ZADD', new[i], score[i], member)
+            set[#set + 1] = names[i]; set[#set + 1] = new[i]
+        elseif was then
+            gone[#gone + 1] = names[i]
+        end
+    end
+    if e[5] ~= '' then redis.call('SADD', buckets, e[6]) end
+    return set, gone
+end
+local function append(to, from)
+    for i = 1, #from do to[#to + 1] = from[i] end
+    return to
+end
+"""
+
+# KEYS[1] the record; KEYS[2] the index of the new status; KEYS[3] the documents' index;
+# KEYS[4] the change counter; KEYS[5..7] x:n, x:e, x:buckets.
 # ARGV: key, status, token, revision, updated_at, doc, resent (1 when sent again after a lost
 # reply: finding exactly our record then means the first send landed; owner ids are random,
-# so no one else's record is ever identical). Returns nil if stored, else the holder.
-CLAIM = f"""
+# so no one else's record is ever identical), then the 7 entries. Returns nil if stored,
+# else the holder.
+CLAIM = f"""{_REINDEX}
 local held = redis.call('HGET', KEYS[1], 'doc')
 if held then
     if ARGV[7] == '1' and held == ARGV[6] then return false end
     return held
 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'token', ARGV[3], 'revision', ARGV[4],
-           'doc', ARGV[6])
+local set = reindex(ARGV[1], ARGV[5], {{false, false, false, false, false}},
+                    {{ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14]}},
+                    KEYS[5], KEYS[6], KEYS[7])
+redis.call('HSET', KEYS[1], unpack(append({{'status', ARGV[2], 'token', ARGV[3],
+           'revision', ARGV[4], 'doc', ARGV[6]}}, set)))
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
 if string.sub(ARGV[1], 1, {len(DOCUMENTS)}) == '{DOCUMENTS}' then
     redis.call('ZADD', KEYS[3], 0, ARGV[1])
 end
+redis.call('INCR', KEYS[4])
 return false
 """
 
-# KEYS[1] the record; KEYS[2..5] the PENDING, COMMITTED, FAILED, UNCERTAIN indexes.
-# ARGV: key, current token, current revision, status, token, revision, updated_at, doc.
-# A record already equal to the new one counts as replaced: an earlier send of this same
-# write landed and its reply was lost (no other writer produces an identical record: each
-# carries its time and a random owner id).
-REPLACE = """
-local held = redis.call('HMGET', KEYS[1], 'status', 'token', 'revision', 'doc')
+# KEYS[1] the record; KEYS[2..5] the PENDING, COMMITTED, FAILED, UNCERTAIN indexes;
+# KEYS[6] the change counter; KEYS[7..9] x:n, x:e, x:buckets.
+# ARGV: key, current token, current revision, status, token, revision, updated_at, doc,
+# then the 7 entries. A record already equal to the new one counts as replaced: an earlier
+# send of this same write landed and its reply was lost (no other writer produces an
+# identical record: each carries its time and a random owner id).
+REPLACE = f"""{_REINDEX}
+local held = redis.call('HMGET', KEYS[1], 'status', 'token', 'revision', 'doc',
+                        'xn', 'xe', 'xs', 'xt', 'xk')
 if held[2] ~= ARGV[2] or held[3] ~= ARGV[3] then
     if held[2] == ARGV[5] and held[3] == ARGV[6] and held[4] == ARGV[8] then return 1 end
     return 0
 end
-local index = {PENDING = KEYS[2], COMMITTED = KEYS[3], FAILED = KEYS[4], UNCERTAIN = KEYS[5]}
-redis.call('HSET', KEYS[1], 'status', ARGV[4], 'token', ARGV[5], 'revision', ARGV[6],
-           'doc', ARGV[8])
+local index = {{PENDING = KEYS[2], COMMITTED = KEYS[3], FAILED = KEYS[4], UNCERTAIN = KEYS[5]}}
+local set, gone = reindex(ARGV[1], ARGV[7], {{held[5], held[6], held[7], held[8], held[9]}},
+                          {{ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]}},
+                          KEYS[7], KEYS[8], KEYS[9])
+redis.call('HSET', KEYS[1], unpack(append({{'status', ARGV[4], 'token', ARGV[5],
+           'revision', ARGV[6], 'doc', ARGV[8]}}, set)))
+if #gone > 0 then redis.call('HDEL', KEYS[1], unpack(gone)) end
 if held[1] ~= ARGV[4] then redis.call('ZREM', index[held[1]], ARGV[1]) end
 redis.call('ZADD', index[ARGV[4]], ARGV[7], ARGV[1])
+redis.call('INCR', KEYS[6])
 return 1
 """
 
-# KEYS as for REPLACE, then KEYS[6] the documents' index; ARGV: key, token, revision.
+# KEYS as for REPLACE's first five, then KEYS[6] the documents' index, KEYS[7] the change
+# counter, KEYS[8..9] x:n, x:e; ARGV: key, token, revision.
 DELETE = """
-local held = redis.call('HMGET', KEYS[1], 'status', 'token', 'revision')
+local held = redis.call('HMGET', KEYS[1], 'status', 'token', 'revision',
+                        'xn', 'xe', 'xs', 'xt', 'xk')
 if held[2] ~= ARGV[2] or held[3] ~= ARGV[3] then return 0 end
 local index = {PENDING = KEYS[2], COMMITTED = KEYS[3], FAILED = KEYS[4], UNCERTAIN = KEYS[5]}
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', index[held[1]], ARGV[1])
 redis.call('ZREM', KEYS[6], ARGV[1])
+if held[4] then redis.call('ZREM', KEYS[8], ARGV[1]) end
+if held[5] then redis.call('ZREM', KEYS[9], ARGV[1]) end
+for i = 6, 8 do
+    if held[i] then redis.call('ZREM', held[i], ARGV[1]) end
+end
+redis.call('INCR', KEYS[7])
 return 1
 """
+
+# Heal on read: the secondary entries of a record read whose hash says they are not its
+# version's (the previous release wrote it, or it predates this release). KEYS[1] the
+# record; KEYS[2..4] x:n, x:e, x:buckets. ARGV: key, token, revision, updated_at of the
+# version read, then its 7 entries. Only if that version is still stored (else its writer
+# kept the entries, or a later reader will): 1, else 0. Not a change to the ledger.
+HEAL = f"""{_REINDEX}
+local held = redis.call('HMGET', KEYS[1], 'token', 'revision', 'xn', 'xe', 'xs', 'xt', 'xk')
+if held[1] ~= ARGV[2] or held[2] ~= ARGV[3] then return 0 end
+local set, gone = reindex(ARGV[1], ARGV[4], {{held[3], held[4], held[5], held[6], held[7]}},
+                          {{ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]}},
+                          KEYS[2], KEYS[3], KEYS[4])
+redis.call('HSET', KEYS[1], unpack(set))
+if #gone > 0 then redis.call('HDEL', KEYS[1], unpack(gone)) end
+return 1
+"""
+
+# A stale entry: KEYS[1] the record, KEYS[2] the secondary index it was found in. ARGV: the
+# key, and the hash field that names the index when the record is in it ('xn', 'xe' hold
+# '1'; 'xs', 'xt', 'xk' the index's name). Removed unless the record's hash names it (a
+# record the previous release deleted leaves its entries; one written since has its own).
+DROP = """
+local named = redis.call('HGET', KEYS[1], ARGV[2])
+if named == '1' or named == KEYS[2] then return 0 end
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+# The members of a sorted set whose records' secondary entries are not their version's:
+# one ZSCAN step. KEYS[1] the set; ARGV: cursor, count, the records' key prefix. Returns
+# the next cursor, then those members (a member whose record is gone is not one).
+WALK_SET = """
+local step = redis.call('ZSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+local out = {step[1]}
+local found = step[2]
+for i = 1, #found, 2 do
+    local h = redis.call('HMGET', ARGV[3] .. found[i], 'token', 'revision', 'x')
+    if h[1] and h[2] and h[3] ~= h[1] .. ':' .. h[2] then out[#out + 1] = found[i] end
+end
+return out
+"""
+
+# As WALK_SET over a range of the documents' index (all scored 0): KEYS[1] the set; ARGV:
+# low, high (ZRANGEBYLEX bounds), count, the records' key prefix. Returns how many members
+# were looked at and the last of them ('' for none), then those whose entries are stale.
+WALK_RANGE = """
+local found = redis.call('ZRANGEBYLEX', KEYS[1], ARGV[1], ARGV[2], 'LIMIT', 0, ARGV[3])
+local out = {#found, found[#found] or ''}
+for i = 1, #found do
+    local h = redis.call('HMGET', ARGV[4] .. found[i], 'token', 'revision', 'x')
+    if h[1] and h[2] and h[3] ~= h[1] .. ':' .. h[2] then out[#out + 1] = found[i] end
+end
+return out
+"""
+
+# Of the keys given (ARGV[2..]), those whose records' entries are stale; ARGV[1] the
+# records' key prefix.
+STALE = """
+local out = {}
+for i = 2, #ARGV do
+    local h = redis.call('HMGET', ARGV[1] .. ARGV[i], 'token', 'revision', 'x')
+    if h[1] and h[2] and h[3] ~= h[1] .. ':' .. h[2] then out[#out + 1] = ARGV[i] end
+end
+return out
+"""
+
+# The next entries of a sorted set after a member, by rank: KEYS[1] the set; ARGV: the
+# member's score as the caller last saw it, the member, count, '1' for descending. Returns
+# member, score pairs (flat), or false when the member is no longer there at that score
+# (the caller then goes by score).
+AFTER = """
+local held = redis.call('ZSCORE', KEYS[1], ARGV[2])
+if not held or tonumber(held) ~= tonumber(ARGV[1]) then return false end
+local n = tonumber(ARGV[3])
+if ARGV[4] == '1' then
+    local rank = redis.call('ZREVRANK', KEYS[1], ARGV[2])
+    return redis.call('ZRANGE', KEYS[1], rank + 1, rank + n, 'REV', 'WITHSCORES')
+end
+local rank = redis.call('ZRANK', KEYS[1], ARGV[2])
+return redis.call('ZRANGE', KEYS[1], rank + 1, rank + n, 'WITHSCORES')
+"""
+
+# A ledger no one has written yet is complete from the start: KEYS[1] x:ready, KEYS[2]
+# x:fill, KEYS[3] docs, KEYS[4..7] the status indexes. Returns 1 when ready.
+FRESH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 1 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+for i = 3, 7 do
+    if redis.call('ZCARD', KEYS[i]) > 0 then return 0 end
+end
+redis.call('SET', KEYS[1], 'fresh')
+return 1
+"""
+
+
+class Scripts:
+    """The scripts registered on one client (EVALSHA, loaded again after NOSCRIPT)."""
+
+    def __init__(self, client: Any) -> None:
+        self.claim = client.register_script(CLAIM)
+        self.replace = client.register_script(REPLACE)
+        self.delete = client.register_script(DELETE)
+        self.heal = client.register_script(HEAL)
+        self.drop = client.register_script(DROP)
+        self.walk_set = client.register_script(WALK_SET)
+        self.walk_range = client.register_script(WALK_RANGE)
+        self.stale = client.register_script(STALE)
+        self.after = client.register_script(AFTER)
+        self.fresh = client.register_script(FRESH)
