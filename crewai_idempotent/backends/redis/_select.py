@@ -396,13 +396,12 @@ def answer(store: Store, query: Select, ready: bool) -> Iterator[Record]:
         return _documents(store, query, ready)
     found: Iterable[list[str]]
     if query.needs_operator:
-        if not ready:
-            walk = stale_in_set(store, layout.index(Status.UNCERTAIN))
-            found = itertools.chain(members_in(store, layout.needs, window), walk)
-            return _gathered(store, query, found, [layout.needs])
-        if time_order:
-            return _by_time(store, query, [layout.needs], secondary=True)
-        return _gathered(store, query, members_in(store, layout.needs, window), [layout.needs])
+        # Ready or not: a record the previous release flags is UNCERTAIN (in either
+        # release only an UNCERTAIN record is flagged, and only resolve, which clears the
+        # flag, moves it on), so the unstamped ones of that index are all it can miss.
+        walk = stale_in_set(store, layout.index(Status.UNCERTAIN))
+        found = itertools.chain(members_in(store, layout.needs, window), walk)
+        return _gathered(store, query, found, [layout.needs])
     if query.expired_by is not None:
         due = Scores(None, query.expired_by, closed=True)
         found = members_in(store, layout.expiry, due)

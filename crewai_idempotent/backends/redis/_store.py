@@ -503,10 +503,7 @@ class RedisCacheBackend(CacheBackend):
     def _select(self, query: Select) -> Iterator[Record]:
         if query.prefix.startswith(DOCUMENTS):
             self._index_documents()
-        ready = self.indexes_ready()
-        if not ready:
-            ready = self._backfill_step()
-        yield from answer(self, query, ready)
+        yield from answer(self, query, self.indexes_ready())
 
     def indexes_ready(self) -> bool:
         """True when the secondary indexes (`x:`: needs an operator, receipts by expiry,
@@ -520,19 +517,23 @@ class RedisCacheBackend(CacheBackend):
             self._ready = _backfill.ready(self)
         return self._ready
 
-    def backfill_indexes(self, *, limit: int | None = None) -> bool:
+    def backfill_indexes(self, *, limit: int | None = None, rescan: bool = False) -> bool:
         """Put the records written before this release (or by the previous one, beside it)
         in the secondary indexes, a bounded step at a time (each one script that looks at
         about 500 records on the server, so a claim waits at most one step), and return
-        `indexes_ready()`. Progress is kept in Redis, so a run stopped or started in many
-        processes at once continues where it was. It stops when the indexes are complete,
+        `indexes_ready()`. Progress is kept in Redis, so a run stopped, or started in many
+        processes at once, continues where it was. It stops when the indexes are complete,
         after about `limit` records (None: no limit), or when a step finds records a
         worker of the previous release wrote after the walk began (False then: run it
-        again once no worker of that release writes this ledger). Raises
-        `LedgerUnavailable` if Redis cannot be read or written, `ValueError` for a `limit`
-        below 1."""
+        again once no worker of that release writes this ledger). With `rescan`, indexes
+        already complete are walked again: for a ledger the previous release went on
+        writing after they were (docs/backends.md). Raises `LedgerUnavailable` if Redis
+        cannot be read or written, `ValueError` for a `limit` below 1."""
         if limit is not None and (isinstance(limit, bool) or limit < 1):
             raise ValueError(f"limit must be a positive count or None, not {limit!r}")
+        if rescan:
+            _backfill.restart(self)
+            self._ready = False
         looked = 0
         waits = 0
         while not self.indexes_ready():
@@ -548,17 +549,6 @@ class RedisCacheBackend(CacheBackend):
             if (limit is not None and looked >= limit) or _backfill.old_writes_seen(self):
                 break
         return self._ready
-
-    def _backfill_step(self) -> bool:
-        """One step of the backfill for a select on a ledger not yet filled: the indexes
-        fill as they are read. A select never fails for it (it reads right without)."""
-        try:
-            done, _count = _backfill.step(self)
-        except LedgerUnavailable as exc:
-            log.debug("no backfill step for this select: %s", exc)
-            return False
-        self._ready = self._ready or done
-        return done
 
     def changes(self) -> object | None:
         """A mark that moves with every write: the counter this release's scripts
