@@ -29,8 +29,7 @@ both write.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...ledger._backend import DOCUMENTS
 from ...ledger._record import Record, Status
@@ -42,10 +41,9 @@ STATUSES = (Status.PENDING, Status.COMMITTED, Status.FAILED, Status.UNCERTAIN)
 _KIND_MAX = 64
 
 
-@dataclass(frozen=True, slots=True)
-class Entries:
+class Entries(NamedTuple):
     """The secondary entries of one version of a record, as the scripts take them (text,
-    "" for none)."""
+    "" for none; `list(entries)` is the scripts' arguments)."""
 
     stamp: str  # "<token>:<revision>": the version these entries are for
     needs: str  # "1": in x:n
@@ -132,22 +130,24 @@ class Layout:
         """The secondary entries `record` calls for. Read from the record as decoded, so
         a document's content (NaN, keys named like ours) can only decide what its own
         fields say, never make a write fail."""
-        expiry = ""
         expires = record.expires_at
         # NaN is at or before no time: such a receipt is never expired_by anything.
-        if record.status is Status.COMMITTED and expires is not None and not math.isnan(expires):
+        expiry = ""
+        if expires is not None and record.status is Status.COMMITTED and expires == expires:
             expiry = repr(float(expires))
-        state = timed = group = subject = ""
-        if record.key.startswith(DOCUMENTS):
-            found = document_field(record, "state")
-            group = bucket(kind_of(record.key), found)
-            timed = self.time_set(group)
-            if isinstance(found, str):
-                state = self.state_set(group)
-            about = document_field(record, "key")
-            if isinstance(about, str):
-                subject = self.subject_set(about)
+        needs = "1" if record.needs_operator else ""
+        key = record.key
+        if not key.startswith(DOCUMENTS):  # the claim path: no document to look into
+            return Entries(f"{record.token}:{record.revision}", needs, expiry, "", "", "", "")
+        found = document_field(record, "state")
+        group = bucket(kind_of(key), found)
+        about = document_field(record, "key")
         return Entries(
-            stamp(record.token, record.revision), "1" if record.needs_operator else "",
-            expiry, state, timed, group, subject,
-        )  # fmt: skip
+            stamp(record.token, record.revision),
+            needs,
+            expiry,
+            self.state_set(group) if isinstance(found, str) else "",
+            self.time_set(group),
+            group,
+            self.subject_set(about) if isinstance(about, str) else "",
+        )

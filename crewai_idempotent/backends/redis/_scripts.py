@@ -24,47 +24,48 @@ from typing import Any
 
 from ...ledger._backend import DOCUMENTS
 
-# reindex(rkey, member, at, held, e, needs, expiry, buckets): the record's secondary
-# entries become `e` ({stamp, needs, expiry, state, timed, bucket, subject}: ARGV text,
-# '' for none), leaving those its hash names (`held`: xn, xe, xs, xt, xk; false when
-# absent) that `e` does not keep. Returns the hash fields to set and those to delete.
-_REINDEX = """
-local function reindex(member, at, held, e, needs, expiry, buckets)
-    local set = {'x', e[1]}
-    local gone = {}
-    if e[2] ~= '' then
-        redis.call('ZADD', needs, at, member)
-        set[#set + 1] = 'xn'; set[#set + 1] = '1'
-    elseif held[1] then
-        redis.call('ZREM', needs, member); gone[#gone + 1] = 'xn'
-    end
-    if e[3] ~= '' then
-        redis.call('ZADD', expiry, e[3], member)
-        set[#set + 1] = 'xe'; set[#set + 1] = '1'
-    elseif held[2] then
-        redis.call('ZREM', expiry, member); gone[#gone + 1] = 'xe'
-    end
-    local names = {'xs', 'xt', 'xk'}
-    local new = {e[4], e[5], e[7]}
-    local score = {0, at, 0}
-    for i = 1, 3 do
-        local was = held[i + 2]
-        if was and was ~= new[i] then redis.call('ZREM', was, member) end
-        if new[i] ~= '' then
-            redis.call('ZADD', new[i], score[i], member)
-            set[#set + 1] = names[i]; set[#set + 1] = new[i]
-        elseif was then
-            gone[#gone + 1] = names[i]
-        end
-    end
-    if e[5] ~= '' then redis.call('SADD', buckets, e[6]) end
-    return set, gone
+
+def _reindex(e: int, at: str, needs: str, expiry: str, buckets: str) -> str:
+    """Lua that makes a record's secondary entries those of ARGV[e..e+6] (stamp, needs,
+    expiry, state, timed, bucket, subject: text, '' for none) for the member ARGV[1], with
+    `at` its last update: it leaves the sets the record's hash names (`xf`: xn, xe, xs, xt,
+    xk as read, false when absent) that the new entries do not keep, and adds the hash
+    fields to set to `set` and those to delete to `gone`. Written out inline: a Lua
+    function (a closure made on every call) costs a claim more than these lines."""
+    a = [f"ARGV[{e + i}]" for i in range(7)]
+    return f"""
+set[#set + 1] = 'x'; set[#set + 1] = {a[0]}
+if {a[1]} ~= '' then
+    redis.call('ZADD', {needs}, {at}, ARGV[1]); set[#set + 1] = 'xn'; set[#set + 1] = '1'
+elseif xf[1] then
+    redis.call('ZREM', {needs}, ARGV[1]); gone[#gone + 1] = 'xn'
 end
-local function append(to, from)
-    for i = 1, #from do to[#to + 1] = from[i] end
-    return to
+if {a[2]} ~= '' then
+    redis.call('ZADD', {expiry}, {a[2]}, ARGV[1]); set[#set + 1] = 'xe'; set[#set + 1] = '1'
+elseif xf[2] then
+    redis.call('ZREM', {expiry}, ARGV[1]); gone[#gone + 1] = 'xe'
+end
+if xf[3] and xf[3] ~= {a[3]} then redis.call('ZREM', xf[3], ARGV[1]) end
+if {a[3]} ~= '' then
+    redis.call('ZADD', {a[3]}, 0, ARGV[1]); set[#set + 1] = 'xs'; set[#set + 1] = {a[3]}
+elseif xf[3] then
+    gone[#gone + 1] = 'xs'
+end
+if xf[4] and xf[4] ~= {a[4]} then redis.call('ZREM', xf[4], ARGV[1]) end
+if {a[4]} ~= '' then
+    redis.call('ZADD', {a[4]}, {at}, ARGV[1]); redis.call('SADD', {buckets}, {a[5]})
+    set[#set + 1] = 'xt'; set[#set + 1] = {a[4]}
+elseif xf[4] then
+    gone[#gone + 1] = 'xt'
+end
+if xf[5] and xf[5] ~= {a[6]} then redis.call('ZREM', xf[5], ARGV[1]) end
+if {a[6]} ~= '' then
+    redis.call('ZADD', {a[6]}, 0, ARGV[1]); set[#set + 1] = 'xk'; set[#set + 1] = {a[6]}
+elseif xf[5] then
+    gone[#gone + 1] = 'xk'
 end
 """
+
 
 # KEYS[1] the record; KEYS[2] the index of the new status; KEYS[3] the documents' index;
 # KEYS[4] the change counter; KEYS[5..7] x:n, x:e, x:buckets.
@@ -72,17 +73,17 @@ end
 # reply: finding exactly our record then means the first send landed; owner ids are random,
 # so no one else's record is ever identical), then the 7 entries. Returns nil if stored,
 # else the holder.
-CLAIM = f"""{_REINDEX}
+CLAIM = f"""
 local held = redis.call('HGET', KEYS[1], 'doc')
 if held then
     if ARGV[7] == '1' and held == ARGV[6] then return false end
     return held
 end
-local set = reindex(ARGV[1], ARGV[5], {{false, false, false, false, false}},
-                    {{ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14]}},
-                    KEYS[5], KEYS[6], KEYS[7])
-redis.call('HSET', KEYS[1], unpack(append({{'status', ARGV[2], 'token', ARGV[3],
-           'revision', ARGV[4], 'doc', ARGV[6]}}, set)))
+local xf = {{}}
+local set = {{'status', ARGV[2], 'token', ARGV[3], 'revision', ARGV[4], 'doc', ARGV[6]}}
+local gone = {{}}
+{_reindex(8, "ARGV[5]", "KEYS[5]", "KEYS[6]", "KEYS[7]")}
+redis.call('HSET', KEYS[1], unpack(set))
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
 if string.sub(ARGV[1], 1, {len(DOCUMENTS)}) == '{DOCUMENTS}' then
     redis.call('ZADD', KEYS[3], 0, ARGV[1])
@@ -97,7 +98,7 @@ return false
 # then the 7 entries. A record already equal to the new one counts as replaced: an earlier
 # send of this same write landed and its reply was lost (no other writer produces an
 # identical record: each carries its time and a random owner id).
-REPLACE = f"""{_REINDEX}
+REPLACE = f"""
 local held = redis.call('HMGET', KEYS[1], 'status', 'token', 'revision', 'doc',
                         'xn', 'xe', 'xs', 'xt', 'xk')
 if held[2] ~= ARGV[2] or held[3] ~= ARGV[3] then
@@ -105,11 +106,11 @@ if held[2] ~= ARGV[2] or held[3] ~= ARGV[3] then
     return 0
 end
 local index = {{PENDING = KEYS[2], COMMITTED = KEYS[3], FAILED = KEYS[4], UNCERTAIN = KEYS[5]}}
-local set, gone = reindex(ARGV[1], ARGV[7], {{held[5], held[6], held[7], held[8], held[9]}},
-                          {{ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]}},
-                          KEYS[7], KEYS[8], KEYS[9])
-redis.call('HSET', KEYS[1], unpack(append({{'status', ARGV[4], 'token', ARGV[5],
-           'revision', ARGV[6], 'doc', ARGV[8]}}, set)))
+local xf = {{held[5], held[6], held[7], held[8], held[9]}}
+local set = {{'status', ARGV[4], 'token', ARGV[5], 'revision', ARGV[6], 'doc', ARGV[8]}}
+local gone = {{}}
+{_reindex(9, "ARGV[7]", "KEYS[7]", "KEYS[8]", "KEYS[9]")}
+redis.call('HSET', KEYS[1], unpack(set))
 if #gone > 0 then redis.call('HDEL', KEYS[1], unpack(gone)) end
 if held[1] ~= ARGV[4] then redis.call('ZREM', index[held[1]], ARGV[1]) end
 redis.call('ZADD', index[ARGV[4]], ARGV[7], ARGV[1])
@@ -141,12 +142,13 @@ return 1
 # record; KEYS[2..4] x:n, x:e, x:buckets. ARGV: key, token, revision, updated_at of the
 # version read, then its 7 entries. Only if that version is still stored (else its writer
 # kept the entries, or a later reader will): 1, else 0. Not a change to the ledger.
-HEAL = f"""{_REINDEX}
+HEAL = f"""
 local held = redis.call('HMGET', KEYS[1], 'token', 'revision', 'xn', 'xe', 'xs', 'xt', 'xk')
 if held[1] ~= ARGV[2] or held[2] ~= ARGV[3] then return 0 end
-local set, gone = reindex(ARGV[1], ARGV[4], {{held[3], held[4], held[5], held[6], held[7]}},
-                          {{ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]}},
-                          KEYS[2], KEYS[3], KEYS[4])
+local xf = {{held[3], held[4], held[5], held[6], held[7]}}
+local set = {{}}
+local gone = {{}}
+{_reindex(5, "ARGV[4]", "KEYS[2]", "KEYS[3]", "KEYS[4]")}
 redis.call('HSET', KEYS[1], unpack(set))
 if #gone > 0 then redis.call('HDEL', KEYS[1], unpack(gone)) end
 return 1
