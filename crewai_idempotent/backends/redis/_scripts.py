@@ -25,42 +25,45 @@ from typing import Any
 from ...ledger._backend import DOCUMENTS
 
 
-def _reindex(e: int, at: str, needs: str, expiry: str, buckets: str) -> str:
+def _reindex(
+    e: int | str, at: str, needs: str, expiry: str, buckets: str, member: str = "ARGV[1]"
+) -> str:
     """Lua that makes a record's secondary entries those of ARGV[e..e+6] (stamp, needs,
-    expiry, state, timed, bucket, subject: text, '' for none) for the member ARGV[1], with
+    expiry, state, timed, bucket, subject: text, '' for none; `e` a number or a Lua
+    expression) for `member` (Lua: the record's key), with
     `at` its last update: it leaves the sets the record's hash names (`xf`: xn, xe, xs, xt,
     xk as read, false when absent) that the new entries do not keep, and adds the hash
     fields to set to `set` and those to delete to `gone`. Written out inline: a Lua
     function (a closure made on every call) costs a claim more than these lines."""
-    a = [f"ARGV[{e + i}]" for i in range(7)]
+    a = [f"ARGV[{e + i}]" if isinstance(e, int) else f"ARGV[{e} + {i}]" for i in range(7)]
     return f"""
 set[#set + 1] = 'x'; set[#set + 1] = {a[0]}
 if {a[1]} ~= '' then
-    redis.call('ZADD', {needs}, {at}, ARGV[1]); set[#set + 1] = 'xn'; set[#set + 1] = '1'
+    redis.call('ZADD', {needs}, {at}, {member}); set[#set + 1] = 'xn'; set[#set + 1] = '1'
 elseif xf[1] then
-    redis.call('ZREM', {needs}, ARGV[1]); gone[#gone + 1] = 'xn'
+    redis.call('ZREM', {needs}, {member}); gone[#gone + 1] = 'xn'
 end
 if {a[2]} ~= '' then
-    redis.call('ZADD', {expiry}, {a[2]}, ARGV[1]); set[#set + 1] = 'xe'; set[#set + 1] = '1'
+    redis.call('ZADD', {expiry}, {a[2]}, {member}); set[#set + 1] = 'xe'; set[#set + 1] = '1'
 elseif xf[2] then
-    redis.call('ZREM', {expiry}, ARGV[1]); gone[#gone + 1] = 'xe'
+    redis.call('ZREM', {expiry}, {member}); gone[#gone + 1] = 'xe'
 end
-if xf[3] and xf[3] ~= {a[3]} then redis.call('ZREM', xf[3], ARGV[1]) end
+if xf[3] and xf[3] ~= {a[3]} then redis.call('ZREM', xf[3], {member}) end
 if {a[3]} ~= '' then
-    redis.call('ZADD', {a[3]}, 0, ARGV[1]); set[#set + 1] = 'xs'; set[#set + 1] = {a[3]}
+    redis.call('ZADD', {a[3]}, 0, {member}); set[#set + 1] = 'xs'; set[#set + 1] = {a[3]}
 elseif xf[3] then
     gone[#gone + 1] = 'xs'
 end
-if xf[4] and xf[4] ~= {a[4]} then redis.call('ZREM', xf[4], ARGV[1]) end
+if xf[4] and xf[4] ~= {a[4]} then redis.call('ZREM', xf[4], {member}) end
 if {a[4]} ~= '' then
-    redis.call('ZADD', {a[4]}, {at}, ARGV[1]); redis.call('SADD', {buckets}, {a[5]})
+    redis.call('ZADD', {a[4]}, {at}, {member}); redis.call('SADD', {buckets}, {a[5]})
     set[#set + 1] = 'xt'; set[#set + 1] = {a[4]}
 elseif xf[4] then
     gone[#gone + 1] = 'xt'
 end
-if xf[5] and xf[5] ~= {a[6]} then redis.call('ZREM', xf[5], ARGV[1]) end
+if xf[5] and xf[5] ~= {a[6]} then redis.call('ZREM', xf[5], {member}) end
 if {a[6]} ~= '' then
-    redis.call('ZADD', {a[6]}, 0, ARGV[1]); set[#set + 1] = 'xk'; set[#set + 1] = {a[6]}
+    redis.call('ZADD', {a[6]}, 0, {member}); set[#set + 1] = 'xk'; set[#set + 1] = {a[6]}
 elseif xf[5] then
     gone[#gone + 1] = 'xk'
 end
@@ -137,21 +140,42 @@ redis.call('INCR', KEYS[7])
 return 1
 """
 
-# Heal on read: the secondary entries of a record read whose hash says they are not its
-# version's (the previous release wrote it, or it predates this release). KEYS[1] the
-# record; KEYS[2..4] x:n, x:e, x:buckets. ARGV: key, token, revision, updated_at of the
-# version read, then its 7 entries. Only if that version is still stored (else its writer
-# kept the entries, or a later reader will): 1, else 0. Not a change to the ledger.
+# Heal on read: the secondary entries of records read whose hashes say they are not their
+# versions' (the previous release wrote them, or they predate this release). KEYS[1..3]
+# x:n, x:e, x:buckets. ARGV[1] the records' key prefix, then per record 11: key, token,
+# revision, updated_at of the version read, its 7 entries. Each only if that version is
+# still stored (else its writer kept the entries, or a later reader will). Returns how
+# many were healed. Not a change to the ledger (no count). Sent for at most `HEALS`
+# records at a time, so it holds the server about as long as a claim.
 HEAL = f"""
-local held = redis.call('HMGET', KEYS[1], 'token', 'revision', 'xn', 'xe', 'xs', 'xt', 'xk')
-if held[1] ~= ARGV[2] or held[2] ~= ARGV[3] then return 0 end
-local xf = {{held[3], held[4], held[5], held[6], held[7]}}
-local set = {{}}
-local gone = {{}}
-{_reindex(5, "ARGV[4]", "KEYS[2]", "KEYS[3]", "KEYS[4]")}
-redis.call('HSET', KEYS[1], unpack(set))
-if #gone > 0 then redis.call('HDEL', KEYS[1], unpack(gone)) end
-return 1
+local healed = 0
+for j = 2, #ARGV, 11 do
+    local rkey = ARGV[1] .. ARGV[j]
+    local held = redis.call('HMGET', rkey, 'token', 'revision', 'xn', 'xe', 'xs', 'xt', 'xk')
+    if held[1] == ARGV[j + 1] and held[2] == ARGV[j + 2] then
+        local xf = {{held[3], held[4], held[5], held[6], held[7]}}
+        local set = {{}}
+        local gone = {{}}
+        {_reindex("j + 4", "ARGV[j + 3]", "KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[j]")}
+        redis.call('HSET', rkey, unpack(set))
+        if #gone > 0 then redis.call('HDEL', rkey, unpack(gone)) end
+        healed = healed + 1
+    end
+end
+return healed
+"""
+HEALS = 100
+
+# The records of many keys in one step: ARGV[1] the records' key prefix, then the keys.
+# Returns each key's `doc` and `x` (false for none), flat.
+FETCH = """
+local out = {}
+for i = 2, #ARGV do
+    local h = redis.call('HMGET', ARGV[1] .. ARGV[i], 'doc', 'x')
+    out[#out + 1] = h[1]
+    out[#out + 1] = h[2]
+end
+return out
 """
 
 # A stale entry: KEYS[1] the record, KEYS[2] the secondary index it was found in. ARGV: the
@@ -240,6 +264,7 @@ class Scripts:
         self.replace = client.register_script(REPLACE)
         self.delete = client.register_script(DELETE)
         self.heal = client.register_script(HEAL)
+        self.fetch = client.register_script(FETCH)
         self.drop = client.register_script(DROP)
         self.walk_set = client.register_script(WALK_SET)
         self.walk_range = client.register_script(WALK_RANGE)

@@ -41,7 +41,7 @@ from ...ledger._record import Record, Status
 from ...ledger._select import Order, Select
 from .._scan import BATCH, ScanCounter
 from ._layout import STATUSES, Layout, kinds_under, parse_bucket, stamp
-from ._scripts import Scripts
+from ._scripts import HEALS, Scripts
 
 T = TypeVar("T")
 
@@ -77,21 +77,20 @@ def text(value: Any) -> Any:
 
 
 def fetch(store: Store, keys: list[str]) -> list[Read]:
-    """The records under `keys`, in one round trip, counted as rows read."""
+    """The records under `keys`, in one round trip (one script: a batch of keys costs the
+    client one reply, not one per key), counted as rows read."""
     if not keys:
         return []
     layout = store.layout
 
     def read(_resent: bool) -> list[Any]:
-        pipe = store.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hmget(layout.record(key), "doc", "x")
-        return list(pipe.execute())
+        return list(store.lua.fetch(keys=[], args=[layout.records, *keys]))
 
     rows = store._call("reading records", read)
     store._scans.read(len(keys))
     found = []
-    for key, (doc, mark) in zip(keys, rows, strict=True):
+    for n, key in enumerate(keys):
+        doc, mark = rows[2 * n], rows[2 * n + 1]
         record = None if doc is None else store._decode(doc)
         if record is None or record.key != key:  # a ledger whose prefix extends ours
             found.append(Read(key, None, False))
@@ -107,29 +106,33 @@ def heal(store: Store, reads: Iterable[Read], secondary: Iterable[str]) -> None:
     only when there is something to do."""
     layout, lua = store.layout, store.lua
     sets = list(secondary)
-    ops: list[tuple[Any, list[str], list[Any]]] = []
+    drops: list[tuple[list[str], list[str]]] = []
+    heals: list[Any] = []
     for read in reads:
         record = read.record
-        drops = [
-            (lua.drop, [layout.record(read.key), s], [read.key, field(layout, s)]) for s in sets
-        ]
+        gone = [([layout.record(read.key), s], [read.key, field(layout, s)]) for s in sets]
         if record is None:
-            ops += drops
+            drops += gone
             continue
         entries = layout.entries(record)
         if not read.current:
-            keys = [layout.record(read.key), layout.needs, layout.expiry, layout.buckets]
-            args = [read.key, record.token, record.revision, repr(record.updated_at)]
-            ops.append((lua.heal, keys, [*args, *entries.args()]))
+            heals += [read.key, record.token, record.revision, repr(record.updated_at),
+                      *entries]  # fmt: skip
             continue
-        ops += [op for name, op in zip(sets, drops, strict=True) if not entries.holds(name, layout)]
-    if not ops:
+        drops += [
+            op for name, op in zip(sets, gone, strict=True) if not entries.holds(name, layout)
+        ]
+    if not drops and not heals:
         return
+    step = 11 * HEALS
 
     def send(_resent: bool) -> None:
         pipe = store.client.pipeline(transaction=False)
-        for script, keys, args in ops:
-            script(keys=keys, args=args, client=pipe)
+        for keys, args in drops:
+            lua.drop(keys=keys, args=args, client=pipe)
+        for at in range(0, len(heals), step):
+            lua.heal(keys=[layout.needs, layout.expiry, layout.buckets],
+                     args=[layout.records, *heals[at : at + step]], client=pipe)  # fmt: skip
         pipe.execute()
 
     store._call("healing the ledger's indexes", send)
