@@ -3,7 +3,7 @@ written: those written before it, and those its previous release writes beside i
 
 A record is indexed when its hash carries the `x` stamp of its version (`_layout`). The
 backfill walks every status index with ZSCAN, a step at a time: each step is one script
-that looks at about `BATCH` members on the server and returns only the unstamped ones,
+that looks at about `WALK` (250) members on the server and returns only the unstamped ones,
 whose records are then read and healed (`_select.heal`, a compare-and-set on their
 version). A step holds the server for about a millisecond, so claims never wait longer.
 Its progress is kept in the ledger (`x:fill`), so any process continues it, and a lock of
@@ -25,6 +25,7 @@ import uuid
 from typing import Any, Protocol
 
 from .._scan import BATCH
+from ._scripts import WALK
 from ._select import Scores, Store, fetch, heal, text, time_page
 
 #: Seconds before the walk's start that the window looks back: a write lands after the
@@ -97,10 +98,10 @@ def _advance(store: Progress, state: dict[str, str]) -> tuple[int, dict[str, str
     if state["phase"] == "walk":
         cursor = state["cursor"]
         found = store._call("backfilling the indexes", lambda _: store.lua.walk_set(
-            keys=[name], args=[cursor, BATCH, layout.records]))  # fmt: skip
+            keys=[name], args=[cursor, WALK, layout.records]))  # fmt: skip
         _heal(store, [text(k) for k in found[1:]])
         state = {**state, "cursor": text(found[0])}
-        looked = BATCH
+        looked = WALK
         if state["cursor"] == "0":
             state["index"] = str(index + 1)
             if index + 1 == len(layout.indexes):

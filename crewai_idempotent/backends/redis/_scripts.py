@@ -164,7 +164,9 @@ for j = 2, #ARGV, 11 do
 end
 return healed
 """
-HEALS = 100
+HEALS = 20
+#: Members a walk (WALK_SET, WALK_RANGE) looks at per script: a few hundred HMGETs.
+WALK = 250
 
 # The records of many keys in one step: ARGV[1] the records' key prefix, then the keys.
 # Returns each key's `doc` and `x` (false for none), flat.

@@ -41,7 +41,7 @@ from ...ledger._record import Record, Status
 from ...ledger._select import Order, Select
 from .._scan import BATCH, ScanCounter
 from ._layout import STATUSES, Layout, kinds_under, parse_bucket, stamp
-from ._scripts import HEALS, Scripts
+from ._scripts import HEALS, WALK, Scripts
 
 T = TypeVar("T")
 
@@ -345,7 +345,7 @@ def stale_in_set(store: Store, name: str) -> Iterator[list[str]]:
     while True:
 
         def step(_resent: bool, at: str = cursor) -> Any:
-            return store.lua.walk_set(keys=[name], args=[at, BATCH, store.layout.records])
+            return store.lua.walk_set(keys=[name], args=[at, WALK, store.layout.records])
 
         found = store._call("looking for records the indexes miss", step)
         cursor = text(found[0])
@@ -359,11 +359,11 @@ def stale_in_range(store: Store, name: str, low: str, high: str) -> Iterator[lis
     while True:
 
         def step(_resent: bool, low: str = low) -> Any:
-            return store.lua.walk_range(keys=[name], args=[low, high, BATCH, store.layout.records])
+            return store.lua.walk_range(keys=[name], args=[low, high, WALK, store.layout.records])
 
         found = store._call("looking for documents the indexes miss", step)
         yield [text(k) for k in found[2:]]
-        if int(found[0]) < BATCH:
+        if int(found[0]) < WALK:
             return
         low = "(" + text(found[1])
 

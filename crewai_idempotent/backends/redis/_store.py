@@ -520,7 +520,7 @@ class RedisCacheBackend(CacheBackend):
     def backfill_indexes(self, *, limit: int | None = None, rescan: bool = False) -> bool:
         """Put the records written before this release (or by the previous one, beside it)
         in the secondary indexes, a bounded step at a time (each one script that looks at
-        about 500 records on the server, so a claim waits at most one step), and return
+        about 250 records on the server, so a claim waits at most one step), and return
         `indexes_ready()`. Progress is kept in Redis, so a run stopped, or started in many
         processes at once, continues where it was. It stops when the indexes are complete,
         after about `limit` records (None: no limit), or when a step finds records a
