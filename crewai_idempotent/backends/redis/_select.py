@@ -5,7 +5,7 @@ Which set serves which select (docs/backends.md has the table):
 - a status, a time window, NEWEST / OLDEST pages of everything: the status indexes
   (`i:<STATUS>`, scored by last update; every status's merged for no status), read in
   order from the cursor by score and rank, a batch at a time;
-- needs_operator: `x:n`, by last update; expired_by: `x:e`, by expiry;
+- needs_operator: `x:n` (and the unstamped UNCERTAIN records); expired_by: `x:e`;
 - documents by state: `x:s:<bucket>` (key order) or `x:t:<bucket>` (by last update), the
   buckets of the prefix's kinds merged; by subject: `x:k:<subject>`; of a prefix:
   `docs` (key order), or the time buckets of its kinds;
@@ -21,11 +21,14 @@ Every record read is checked against the select (`Select.matches`), so a set may
 key it should not have (a record that changed since, a stale entry) and the answer is
 still exact. The `x:` sets are kept by this release's scripts only: a record another
 release wrote (or one written before this release) carries no `x` stamp of its version,
-and `_stale` heals it when a read meets it. Until the backfill has stamped every record
-(`ready`), a select that uses an `x:` set also walks the old index that holds every
-possible match (UNCERTAIN for needs_operator, which only an UNCERTAIN record carries in
-either release; COMMITTED for expired_by; `docs` for a state or subject) for records whose
-stamp is stale, on the server, and reads only those: exact, at the cost of that walk.
+and `heal` gives it its entries when a read meets it (and drops entries whose record is
+gone or has moved on). A needs_operator select always also walks the UNCERTAIN index on
+the server for unstamped records (in either release only an UNCERTAIN record is flagged,
+and only `resolve`, which clears the flag, moves it on), so it is exact beside workers of
+the previous release. Until the backfill has stamped every record (`ready`), the other
+selects that use an `x:` set walk, the same way, the index that holds every possible
+match (COMMITTED for expired_by, `docs` for a state or subject): exact, at the cost of
+that walk.
 """
 
 from __future__ import annotations
