@@ -707,3 +707,34 @@ def test_a_forked_child_selects_and_writes_on_the_same_ledger(new: RedisCacheBac
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert _keys(new.select(Select(needs_operator=True))) == ["pay:1", "pay:2"]
+
+
+def test_claims_of_both_releases_on_the_same_keys_have_one_winner_each(
+    new: RedisCacheBackend, old: OldRelease, url: str
+) -> None:
+    """Old and new workers race for the same keys: each key is claimed once, whichever
+    release wins, and the listings then show each record once, in its status."""
+    keys = [f"race:{i:03d}" for i in range(200)]
+    wins: dict[str, list[str]] = {key: [] for key in keys}
+    other = backend_from_url(url)
+
+    def claim(name: str, writer: Any) -> None:
+        for key in keys:
+            record = _record(key, Status.PENDING, at=T0 + int(key[-3:]))
+            won = writer.insert(record)
+            if won is None or won is True:
+                wins[key].append(name)
+
+    threads = [
+        threading.Thread(target=claim, args=("old", old)),
+        threading.Thread(target=claim, args=("new", new)),
+        threading.Thread(target=claim, args=("new2", other)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    other.close()
+    assert all(len(names) == 1 for names in wins.values()), wins
+    assert _keys(new.select(Select(status=Status.PENDING))) == keys
+    assert _keys(new.select(Select(order=Order.NEWEST, limit=3))) == keys[::-1][:3]

@@ -59,13 +59,13 @@ def restart(store: Store) -> None:
 
 def step(store: Progress) -> tuple[bool, int]:
     """One step of the backfill: (whether the indexes are now complete, how many members
-    it looked at; 0 when another process holds the step). Raises `LedgerUnavailable`."""
+    it looked at; -1 when another process holds the step). Raises `LedgerUnavailable`."""
     layout, client = store.layout, store.client
     lock, mine = layout.fill + ":lock", uuid.uuid4().hex
     got = store._call("locking the backfill",
                       lambda _: client.set(lock, mine, nx=True, px=_LOCK_MS))  # fmt: skip
     if not got:
-        return False, 0
+        return False, -1
     try:
         state = {text(k): text(v) for k, v in store._call(
             "reading the backfill", lambda _: client.hgetall(layout.fill)).items()}  # fmt: skip

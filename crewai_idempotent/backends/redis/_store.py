@@ -523,7 +523,8 @@ class RedisCacheBackend(CacheBackend):
         about 250 records on the server, so a claim waits at most one step), and return
         `indexes_ready()`. Progress is kept in Redis, so a run stopped, or started in many
         processes at once, continues where it was. It stops when the indexes are complete,
-        after about `limit` records (None: no limit), or when a step finds records a
+        after about `limit` records (None: no limit; a bounded run also stops when another
+        process holds the step), or when a step finds records a
         worker of the previous release wrote after the walk began (False then: run it
         again once no worker of that release writes this ledger). With `rescan`, indexes
         already complete are walked again: for a ledger the previous release went on
@@ -541,7 +542,9 @@ class RedisCacheBackend(CacheBackend):
             if done:
                 self._ready = True
                 break
-            if count == 0:  # another process holds the step
+            if count < 0:  # another process holds the step
+                if limit is not None:
+                    break  # a bounded run leaves the rest to the one that holds it
                 waits += 1
                 time.sleep(min(0.01 * waits, 0.2))
                 continue
