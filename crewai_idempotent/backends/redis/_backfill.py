@@ -134,12 +134,12 @@ def _window(store: Progress, state: dict[str, str]) -> dict[str, str]:
     }  # fmt: skip
 
 
-def old_writes_seen(store: Store) -> bool:
-    """True when the backfill's last window found records the previous release wrote
-    after the walk began (so its workers are still writing)."""
+def windows(store: Store) -> int:
+    """How many windows the backfill under way has begun: a second one and each after it
+    began because the one before found records the previous release wrote meanwhile."""
     fill = store.layout.fill
-    state = store._call("reading the backfill", lambda _: store.client.hget(fill, "windows"))
-    return state is not None and int(text(state)) > 1
+    count = store._call("reading the backfill", lambda _: store.client.hget(fill, "windows"))
+    return 0 if count is None else int(text(count))
 
 
 def _stale(store: Store, keys: list[str]) -> list[str]:

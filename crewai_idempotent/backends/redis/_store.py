@@ -537,6 +537,8 @@ class RedisCacheBackend(CacheBackend):
             self._ready = False
         looked = 0
         waits = 0
+        # A window begun in this run after the first one: the previous release writes.
+        began = max(_backfill.windows(self), 1)
         while not self.indexes_ready():
             done, count = _backfill.step(self)
             if done:
@@ -549,7 +551,7 @@ class RedisCacheBackend(CacheBackend):
                 time.sleep(min(0.01 * waits, 0.2))
                 continue
             looked += count
-            if (limit is not None and looked >= limit) or _backfill.old_writes_seen(self):
+            if (limit is not None and looked >= limit) or _backfill.windows(self) > began:
                 break
         return self._ready
 
