@@ -4,7 +4,10 @@ Each record is a hash (`status`, `token`, `revision`, `doc`) under `<prefix>r:<k
 each status has a sorted set `<prefix>i:<STATUS>` of keys scored by their last update, so
 listing the UNCERTAIN records never walks the whole keyspace. The package's own documents
 (`crewai-idempotent/...`: the outbox, approvals, caps) are also in `<prefix>docs`, scored
-0, so `scan_prefix` of them is one ZRANGEBYLEX.
+0, so `scan_prefix` of them is one ZRANGEBYLEX. Secondary sorted sets (`<prefix>x:...`:
+records that need an operator, receipts by expiry, documents by state and subject), kept
+by the same scripts, answer the listings' selects (`_layout`, `_select`); `_backfill` fills
+them for records written before this release or by the previous one beside it.
 
 Every operation that writes is one Lua script (`_scripts`), which Redis runs
 atomically: the claim is "create the record unless the key exists, else return the
@@ -55,18 +58,21 @@ from ..._errors import LedgerUnavailable, RedisDurabilityWarning
 from ...ledger import _fork
 from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
 from ...ledger._record import Record, Status, read_record
+from ...ledger._select import Select
 from .._clock import ServerClock
 from .._options import configuration_errors, flag, redact, split_server_options, with_options
 from .._scan import BATCH, ScanCounter, ScanStats
+from . import _backfill
 from ._deadline import bounded, deadline
-from ._scripts import CLAIM, DELETE, REPLACE
+from ._layout import Layout
+from ._scripts import Scripts
+from ._select import answer, glob_escape
 
 log = logging.getLogger("crewai_idempotent")
 
 T = TypeVar("T")
 
 DEFAULT_PREFIX = "crewai-idempotent:"
-_STATUSES = (Status.PENDING, Status.COMMITTED, Status.FAILED, Status.UNCERTAIN)
 
 
 class RedisCacheBackend(CacheBackend):
@@ -124,8 +130,12 @@ class RedisCacheBackend(CacheBackend):
         self._owns_client = self._url is not None
         self._use_client(url_or_client if isinstance(url_or_client, redis.Redis) else None)
         self.where = _describe(self.client)
-        self._indexes = [f"{prefix}i:{status.value}" for status in _STATUSES]
-        self._documents = f"{prefix}docs"
+        self.layout = Layout(prefix)
+        self._indexes = self.layout.indexes
+        self._documents = self.layout.documents
+        # Once this process has seen the secondary indexes complete, they stay so.
+        self._ready = False
+        self._ready_checked = False
         # Set once every document is in `_documents`, those written before it existed too.
         self._documents_complete = f"{prefix}docs:complete"
         self._documents_checked = False
@@ -150,9 +160,7 @@ class RedisCacheBackend(CacheBackend):
             )
             pool = self.client.connection_pool
             pool.connection_class = bounded(pool.connection_class)
-        self._claim = self.client.register_script(CLAIM)
-        self._replace = self.client.register_script(REPLACE)
-        self._delete = self.client.register_script(DELETE)
+        self.lua = Scripts(self.client)
 
     # -- fork() (see _fork) ------------------------------------------------------------
 
@@ -311,26 +319,39 @@ class RedisCacheBackend(CacheBackend):
     # -- protocol ----------------------------------------------------------------------
 
     def insert(self, record: Record) -> Record | None:
-        keys = [self._record_key(record.key), self._index(record.status), self._documents]
+        layout = self.layout
+        if not self._ready_checked:
+            # A ledger no one has written yet starts with complete secondary indexes.
+            self._ready = self._ready or _backfill.ready(self)
+            self._ready_checked = True
+        keys = [
+            layout.record(record.key), layout.index(record.status), layout.documents,
+            layout.changes, layout.needs, layout.expiry, layout.buckets,
+        ]  # fmt: skip
         args = [
             record.key, record.status.value, record.token, record.revision,
             repr(record.updated_at), record.to_json(),
         ]  # fmt: skip
+        entries = layout.entries(record).args()
         held = self._call(
             f"claiming {record.key!r}",
-            lambda resent: self._claim(keys=keys, args=[*args, int(resent)]),
+            lambda resent: self.lua.claim(keys=keys, args=[*args, int(resent), *entries]),
         )
         return None if held is None else self._decode(held)
 
     def replace(self, current: Record, new: Record) -> bool:
-        keys = [self._record_key(current.key), *self._indexes]
+        layout = self.layout
+        keys = [
+            layout.record(current.key), *layout.indexes, layout.changes, layout.needs,
+            layout.expiry, layout.buckets,
+        ]  # fmt: skip
         args: list[str | int | float] = [
             current.key, current.token, current.revision, new.status.value, new.token,
-            new.revision, repr(new.updated_at), new.to_json(),
+            new.revision, repr(new.updated_at), new.to_json(), *layout.entries(new).args(),
         ]  # fmt: skip
         done = self._call(
             f"updating {current.key!r}",
-            lambda _: self._replace(keys=keys, args=args),
+            lambda _: self.lua.replace(keys=keys, args=args),
         )
         return bool(done)
 
@@ -344,7 +365,7 @@ class RedisCacheBackend(CacheBackend):
             # Every record's hash, by SCAN over the keyspace: a record's hash keeps its
             # name through every write, while a scan of the status indexes one after
             # another would miss a record that moves to one already read.
-            pattern = f"{_glob_escape(self.prefix)}r:*"
+            pattern = f"{glob_escape(self.prefix)}r:*"
             start = len(self.prefix) + 2
 
             def step(cursor: int) -> tuple[int, list[str]]:
@@ -462,12 +483,97 @@ class RedisCacheBackend(CacheBackend):
         self._documents_checked = True
 
     def delete(self, current: Record) -> bool:
-        keys = [self._record_key(current.key), *self._indexes, self._documents]
+        layout = self.layout
+        keys = [
+            layout.record(current.key), *layout.indexes, layout.documents, layout.changes,
+            layout.needs, layout.expiry,
+        ]  # fmt: skip
         args: list[str | int | float] = [current.key, current.token, current.revision]
         done = self._call(
-            f"deleting {current.key!r}", lambda _: self._delete(keys=keys, args=args), retry=False
-        )
+            f"deleting {current.key!r}", lambda _: self.lua.delete(keys=keys, args=args),
+            retry=False,
+        )  # fmt: skip
         return bool(done)
+
+    # -- selects and the secondary indexes ---------------------------------------------
+
+    def select(self, query: Select) -> Iterator[Record]:
+        return self._select(query)
+
+    def _select(self, query: Select) -> Iterator[Record]:
+        if query.prefix.startswith(DOCUMENTS):
+            self._index_documents()
+        yield from answer(self, query, self.indexes_ready())
+
+    def indexes_ready(self) -> bool:
+        """True when the secondary indexes (`x:`: needs an operator, receipts by expiry,
+        documents by state and subject) hold every record: the backfill has stamped those
+        written before this release, and a last look found none that the previous release
+        was still writing. Until then `select` answers right by a slower path (it also
+        walks, on the server, the status index or documents' index that holds every
+        possible match, for records without their stamp). One GET, until it is True (then
+        never again in this process). Raises `LedgerUnavailable` if Redis cannot be read."""
+        if not self._ready:
+            self._ready = _backfill.ready(self)
+        return self._ready
+
+    def backfill_indexes(self, *, limit: int | None = None, rescan: bool = False) -> bool:
+        """Put the records written before this release (or by the previous one, beside it)
+        in the secondary indexes, a bounded step at a time (each one script that looks at
+        about 250 records on the server, so a claim waits at most one step), and return
+        `indexes_ready()`. Progress is kept in Redis, so a run stopped, or started in many
+        processes at once, continues where it was. It stops when the indexes are complete,
+        after about `limit` records (None: no limit; a bounded run also stops when another
+        process holds the step), or when a step finds records a
+        worker of the previous release wrote after the walk began (False then: run it
+        again once no worker of that release writes this ledger). With `rescan`, indexes
+        already complete are walked again: for a ledger the previous release went on
+        writing after they were (docs/backends.md). Raises `LedgerUnavailable` if Redis
+        cannot be read or written, `ValueError` for a `limit` below 1."""
+        if limit is not None and (isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"limit must be a positive count or None, not {limit!r}")
+        if rescan:
+            _backfill.restart(self)
+            self._ready = False
+        looked = 0
+        waits = 0
+        # A window begun in this run after the first one: the previous release writes.
+        began = max(_backfill.windows(self), 1)
+        while not self.indexes_ready():
+            done, count = _backfill.step(self)
+            if done:
+                self._ready = True
+                break
+            if count < 0:  # another process holds the step
+                if limit is not None:
+                    break  # a bounded run leaves the rest to the one that holds it
+                waits += 1
+                time.sleep(min(0.01 * waits, 0.2))
+                continue
+            looked += count
+            if (limit is not None and looked >= limit) or _backfill.windows(self) > began:
+                break
+        return self._ready
+
+    def changes(self) -> object | None:
+        """A mark that moves with every write: the counter this release's scripts
+        increment, and, for the previous release's writes (which do not), the size and
+        newest entry of each status index and the documents' count. One round trip."""
+        layout = self.layout
+
+        def mark(_resent: bool) -> tuple[Any, ...]:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(layout.changes)
+            pipe.zcard(layout.documents)
+            for index in layout.indexes:
+                pipe.zcard(index)
+                pipe.zrange(index, -1, -1, withscores=True)
+            return tuple(
+                tuple((bytes(m), s) for m, s in part) if isinstance(part, list) else part
+                for part in pipe.execute()
+            )
+
+        return self._call("reading the change mark", mark)
 
     def _decode(self, doc: bytes | str) -> Record:
         return read_record(doc, f"the prefix {self.prefix!r} at Redis {self.where}")
@@ -505,11 +611,6 @@ def _text(value: Any) -> Any:
     if isinstance(value, dict):
         return {_text(k): _text(v) for k, v in value.items()}
     return value
-
-
-def _glob_escape(text: str) -> str:
-    """`text` matched literally in a SCAN pattern."""
-    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
 def _describe(client: redis.Redis) -> str:
