@@ -30,6 +30,7 @@ from .._errors import (
 from ..gates._approvals import Approvals
 from ..ledger._backend import CacheBackend, url_of
 from ..ledger._ledger import Ledger
+from ..signing._trusted import TrustedKeys
 from ._accounts import Accounts
 from ._auth import LoginThrottle, Trust, Who, networks
 from ._live import Watcher
@@ -126,6 +127,9 @@ class Console:
         # The outbox dispatchers running beside the console (`_beside`): the notifications
         # page says whether anything here delivers what it lists.
         self.dispatchers: list[Dispatcher] = []
+        # The keys the console checks a signed decision against before recording it, as
+        # the workers will (`create_app` sets them): None, decisions are not signed here.
+        self.trusted_keys: TrustedKeys | None = None
 
     def wake_dispatchers(self) -> None:
         """A decision made here wrote outbox entries with it: deliver them now rather than
@@ -193,7 +197,7 @@ class Console:
         if account is None or account.disabled or account.generation != session.generation:
             self.sessions.end(session)
             return None, None, None
-        return Who(account.name, account.role, "console", session), None, None
+        return Who(account.name, account.role, "console", session, account.passkeys), None, None
 
     def _from_proxy(self, request: Request) -> tuple[Who | None, str | None, Response | None]:
         peer = self.peer(request)
@@ -228,7 +232,7 @@ class Console:
         token = None
         if session is None:
             token, session = self.sessions.start(account.name, account.generation, "auth proxy")
-        return Who(account.name, account.role, "auth proxy", session), token, None
+        return Who(account.name, account.role, "auth proxy", session, account.passkeys), token, None
 
     def _session(self, request: Request) -> Session | None:
         # A page's own live updates are not a person's activity: they do not keep an
@@ -327,7 +331,7 @@ class Console:
             "who": who, "sections": self.sections, "section": section, "ledger": ledger,
             "csrf": who.session.csrf if who is not None and who.session is not None else "",
             "now": self.backend.now(), "proxy_mode": self.settings.auth == "proxy",
-            "path": request.url.path,
+            "path": request.url.path, "signing": self.trusted_keys is not None,
         }  # fmt: skip
 
     # -- what runs beside it --------------------------------------------------------------
