@@ -108,17 +108,6 @@ class Account:
             passkeys=tuple(Passkey.from_doc(p) for p in d.get("passkeys", ())),
         )  # fmt: skip
 
-    def passkey_keys(self) -> TrustedKeys | None:
-        """The account's passkeys as trusted keys (None without any), to check an
-        assertion with before it is recorded: the console's own check, never the
-        workers'. Raises `SigningConfigurationError` for a stored line that no longer
-        reads (without the `passkeys` extra, or edited in the ledger)."""
-        if not self.passkeys:
-            return None
-        return TrustedKeys.from_lines(
-            [p.line for p in self.passkeys], f"the passkeys of console account {self.name!r}"
-        )
-
 
 def check_name(name: Any) -> str:
     if not isinstance(name, str) or not _NAME.match(name):

@@ -97,10 +97,21 @@ def relying_party(console: Console, request: Request) -> tuple[str, str, str]:
 
 
 def _own_keys(who: Who) -> TrustedKeys | None:
-    if not who.passkeys:
+    """The account's passkeys as trusted keys, to check an assertion with before it is
+    recorded (None without any). A line that no longer reads (edited in the ledger, or
+    no py_webauthn here) is left out, and said in the log: it signs nothing here."""
+    lines: dict[str, str] = {}
+    for passkey in who.passkeys:
+        try:
+            (key,) = TrustedKeys.from_lines([passkey.line], f"passkey {passkey.key_id}")
+        except (SigningConfigurationError, ValueError) as exc:
+            log.warning("a passkey of %s cannot be read: %s", who.name, exc)
+            continue
+        lines.setdefault(key.key_id, key.line())
+    if not lines:
         return None
     return TrustedKeys.from_lines(
-        [p.line for p in who.passkeys], f"the passkeys of console account {who.name!r}"
+        list(lines.values()), f"the passkeys of console account {who.name!r}"
     )
 
 
