@@ -9,7 +9,8 @@ attempt, after an approval or once the budget allows, run the body. In order:
 1. spend caps, read only: a call over a cap is refused before anyone is asked to approve;
 2. approval: the grant for this key and fingerprint is used, or `ApprovalRequired` /
    `ApprovalDenied` is raised (optionally waiting `approval_wait_s` for a decision, on
-   the ledger's clock);
+   the ledger's clock); with `trusted_keys`, a grant whose approvals do not all verify
+   and match this call is `DecisionRefused` (`_approvals.Approvals.authorize`);
 3. spend caps, for good: the amount is reserved in every cap window by compare-and-set;
 4. the body; then, once its outcome is recorded, the reservation becomes spent (it
    returned), is released (it failed before any effect: FAILED), or is kept (its outcome
@@ -26,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import signing
 from .._errors import ApprovalRequired, SpendCapExceeded
 from ..ledger._backend import CacheBackend
 from ..ledger._record import Record, Status
@@ -53,6 +55,10 @@ class Plan:
     approval_wait_s: float = 0.0
     approvers: int = 1  # distinct approvers before a grant is live (the two-person rule)
     origin: Mapping[str, Any] = field(default_factory=dict)  # crew, task, agent by name
+    # Signed approvals: the keys a grant's approvals must verify against (None: unsigned
+    # grants are used as written), and until when unsigned ones still count.
+    trusted_keys: signing.TrustedKeys | None = None
+    accept_unsigned_grants_until: float | None = None
 
     def __post_init__(self) -> None:
         count = self.approvers
@@ -123,7 +129,11 @@ def _check_and_authorize(backend: CacheBackend, plan: Plan, claim: Record) -> li
             standing = SpendLedger(backend).check(claim.key, amount, found)
         spend = {"amount": amount.amount, "currency": amount.currency, "caps": standing}
     if plan.approval:
-        Approvals(backend).authorize(
+        approvals = Approvals(
+            backend, trusted_keys=plan.trusted_keys,
+            accept_unsigned_grants_until=plan.accept_unsigned_grants_until,
+        )  # fmt: skip
+        approvals.authorize(
             claim, plan.fingerprint, tool=plan.tool, reason=plan.approval_reason,
             summary=plan.summary, crew=plan.where.crew, task=plan.where.task,
             kickoff=plan.where.kickoff, spend=spend, approvers=plan.approvers,

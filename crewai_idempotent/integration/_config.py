@@ -27,13 +27,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from .._errors import LedgerConfigurationError, LedgerUnavailable
+from .._errors import LedgerConfigurationError, LedgerUnavailable, SigningConfigurationError
 from ..gates._spend import SpendCap
 from ..ledger._backend import CacheBackend
 from ..ledger._keys import fingerprint as _fingerprint
 from ..ledger._ledger import Ledger
 from ..ledger._policy import StalePolicy, _Options, check_seconds
 from ..ledger._reconcile import named
+from . import _signing
 from ._gates import GateRules
 from ._ledgers import (
     URL_ENV,
@@ -197,9 +198,22 @@ class IdempotencyConfig:
       approval gates (and how many distinct approvers each needs) and spend caps, by
       tool name (see the `integration/_gates` docstring and
       docs/approvals.md).
+    - `trusted_keys`: the keys approvals, denials and resolutions must be signed with
+      before the guard obeys them: a trusted keys file's path, its lines, or
+      `signing.TrustedKeys` (read and checked here). None defers to
+      CREWAI_IDEMPOTENCY_TRUSTED_KEYS; with neither, decisions are unsigned
+      (docs/security.md). A process setting: `configure()` only, never a crew's.
+    - `accept_unsigned_grants_until`: with trusted keys, approvals made without a
+      signature (before signing was turned on) still count until this time (an aware
+      `datetime`, ISO 8601 text with its offset, or seconds since the epoch); after it
+      they are refused. None defers to
+      CREWAI_IDEMPOTENCY_ACCEPT_UNSIGNED_GRANTS_UNTIL; by default they are refused.
 
-    Raises `TypeError` for a `backend` that is neither a `CacheBackend` nor a URL,
-    `LedgerConfigurationError` for a setting that cannot be used (a misspelt name in a
+    Raises `TypeError` for a `backend` that is neither a `CacheBackend` nor a URL (or
+    `trusted_keys` that are no path, lines or `TrustedKeys`),
+    `SigningConfigurationError` for trusted keys that do not pass (a file that does not
+    parse, another user could change, or names an unknown algorithm) or a malformed
+    time, `LedgerConfigurationError` for a setting that cannot be used (a misspelt name in a
     dict, a bad URL or option, a value of the wrong kind) and `LedgerUnavailable` for a
     server that does not answer; nothing runs.
     """
@@ -221,9 +235,16 @@ class IdempotencyConfig:
     check_reachable: bool | None = None
     notify: Any = None
     approvers: Mapping[str, int | Callable[[dict[str, Any], Any], int]] | None = None
+    trusted_keys: Any = None
+    accept_unsigned_grants_until: Any = None
 
     def __post_init__(self) -> None:
         _check_crew_gates(self)
+        object.__setattr__(
+            self, "trusted_keys", _signing.load_trusted(self.trusted_keys, "IdempotencyConfig")
+        )
+        until = _signing.parse_until(self.accept_unsigned_grants_until, "IdempotencyConfig")
+        object.__setattr__(self, "accept_unsigned_grants_until", until)
         if self.notify is not None:
             from ..notifications._channels import channels_from
 
@@ -350,11 +371,15 @@ def configure(
 
     `configure(backend=..., on_uncertain=...)` or `configure(IdempotencyConfig(...))`:
     `config` is an `IdempotencyConfig`, `settings` its fields by name; `configure(None)`
-    clears it. Returns the previous setting.
+    clears it. Returns the previous setting. `configure(trusted_keys=...)` turns signed
+    decisions on for the process; without it, CREWAI_IDEMPOTENCY_TRUSTED_KEYS is read
+    here too, so that a file named there that does not pass is refused here.
 
     Raises `TypeError` for both or for something that is not an `IdempotencyConfig`,
     `LedgerConfigurationError` for a misspelt setting (naming the close match) or one
-    that cannot be used, `LedgerUnavailable` for a server that does not answer.
+    that cannot be used, `SigningConfigurationError` (one of them) for trusted keys,
+    in the setting or the environment, that do not pass, `LedgerUnavailable` for a
+    server that does not answer.
     """
     global _process_config
     if config is not None and settings:
@@ -362,6 +387,7 @@ def configure(
     if config is not None and not isinstance(config, IdempotencyConfig):
         raise TypeError(f"configure() takes an IdempotencyConfig, not {type(config).__name__}")
     new = config if config is not None else (config_from("configure()", settings) or None)
+    _signing_of(new)  # the environment's trusted keys, checked here too
     with _lock:
         previous, _process_config = _process_config, new
         forget_settings()
@@ -405,9 +431,18 @@ def forget_settings() -> None:
     _generation += 1
 
 
+def _signing_of(config: IdempotencyConfig | None) -> _signing.Signing | None:
+    """The signing settings in force under the process setting `config`."""
+    if config is None:
+        return _signing.in_force(None, None)
+    return _signing.in_force(config.trusted_keys, config.accept_unsigned_grants_until)
+
+
 def check_crew_ledger(crew: IdempotencyConfig | None) -> None:
     """At `Crew(...)`: when the crew's ledger will come from CREWAI_IDEMPOTENCY_URL, open
-    it now, so that a bad value raises where the crew is built."""
+    it now, so that a bad value raises where the crew is built; the same for the trusted
+    keys CREWAI_IDEMPOTENCY_TRUSTED_KEYS names."""
+    _signing_of(_process_config)
     for config in (crew, _process_config):
         if config is not None and config.backend is not None:
             return
@@ -427,6 +462,7 @@ class Settings:
     on_uncertain: OnUncertain
     options: _Options
     gates: GateRules | None
+    signing: _signing.Signing | None = None
 
 
 class _Resolved:
@@ -456,9 +492,12 @@ class _Entry:
     generation: int
     source: str
     read: Any  # what the source's choice depended on in the environment, if anything
+    signing_read: tuple[str, str]  # what the signing settings read in the environment
 
     def current(self, crew: IdempotencyConfig | None) -> bool:
         if self.crew is not crew or self.generation != _generation:
+            return False
+        if _signing.env_marks() != self.signing_read:
             return False
         if self.source == URL_ENV:
             return _env_url() == self.read
@@ -496,10 +535,11 @@ def settings_for(tool_name: str, tool: ToolOptions, crew: IdempotencyConfig | No
     if entry is not None and entry.current(crew):
         return entry.settings
     generation = _generation
+    signing_read = _signing.env_marks()
     settings, source, read = _resolve(tool_name, tool, crew)
     if len(cache.entries) >= _MAX_ENTRIES:
         cache.entries.clear()
-    cache.entries[slot] = _Entry(settings, crew, generation, source, read)
+    cache.entries[slot] = _Entry(settings, crew, generation, source, read, signing_read)
     return settings
 
 
@@ -539,7 +579,9 @@ def _resolve(
                 "names another)"
             ) from exc
     announce(source, backend)
+    signed = _signing_of(_process_config)
     ledger = ledger_for(backend)
+    _signing.apply(ledger, signed)
     _notifying(backend, [config for _, config in levels])
     options = ledger._call_options(
         pick("wait_s"),
@@ -555,7 +597,8 @@ def _resolve(
         idempotency_key=pick("idempotency_key"),
         on_uncertain=pick("on_uncertain") or "raise",
         options=options,
-        gates=gate_rules(tool, [config for _, config in levels], tool_name),
+        gates=gate_rules(tool, [config for _, config in levels], tool_name, signed),
+        signing=signed,
     )
     return settings, source, read
 
@@ -583,10 +626,14 @@ def _by_tool(name: str, tool_name: str, levels: Sequence[Any]) -> Any:
 
 
 def gate_rules(
-    options: ToolOptions, levels: Sequence[IdempotencyConfig], tool_name: str
+    options: ToolOptions,
+    levels: Sequence[IdempotencyConfig],
+    tool_name: str,
+    signed: _signing.Signing | None = None,
 ) -> GateRules | None:
     """The gate options of `tool_name` merged over the tool, then the crew and
-    `configure()` (`levels`, nearest first), or None when no level sets any gate."""
+    `configure()` (`levels`, nearest first), or None when no level sets any gate;
+    `signed`: the signing settings its approvals are checked with."""
     if (
         options.approval is None
         and options.spend is None
@@ -619,6 +666,10 @@ def gate_rules(
         approval_wait_s=float(wait_s or 0.0),
         redact=tuple(options.redact or ()),
         approvers=approvers,
+        trusted_keys=None if signed is None else signed.trusted_keys,
+        accept_unsigned_grants_until=None
+        if signed is None
+        else signed.accept_unsigned_grants_until,
     )
 
 
@@ -658,6 +709,14 @@ def merge_crew_settings(
                 f"{where}(idempotency=...) takes a crewai_idempotent.IdempotencyConfig or "
                 f"a dict of its settings, not {type(idempotency).__name__}"
             )
+    if idempotency is not None:
+        for name in ("trusted_keys", "accept_unsigned_grants_until"):
+            if getattr(idempotency, name) is not None:
+                raise SigningConfigurationError(
+                    f"{where}(idempotency=...): {name} is the process's setting, not a "
+                    f"crew's (one ledger serves every crew of a process): give it to "
+                    f"configure(), or set ${_signing.TRUSTED_KEYS_ENV}"
+                )
     if cache_backend is None:
         return idempotency
     if not isinstance(cache_backend, CacheBackend | str):

@@ -14,6 +14,12 @@ Options (on `@tool(...)`, `BaseTool` fields, `idempotent(tool, ...)`; a crew or
 - `approvers`: how many distinct people must approve before the grant is live (the
   two-person rule), or a callable `(args, ctx) -> int` (more above an amount).
 
+With trusted keys in force (`_signing`: configure() or the environment, the process's
+alone), every call's plan carries them: a grant is used only if its approvals verify
+against them and are about the call (`DecisionRefused` otherwise), which stops the
+kickoff whatever `on_approval` says, as it is no wait for a person but a decision
+nobody trusted made.
+
 The options are checked where they are given (`_config`), which also merges them once per
 tool, crew and `configure()` into a `GateRules` (`_config.gate_rules`, with the rest of a
 tool's settings); `GateRules.plan` decides at each call which gates apply, as a
@@ -26,7 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import ApprovalDenied, ApprovalRequired, SpendCapExceeded
+from .. import signing
+from .._errors import (
+    ApprovalDenied,
+    ApprovalRequired,
+    DecisionRefused,
+    SigningConfigurationError,
+    SpendCapExceeded,
+)
 from ..gates import _approvals, _plan
 from ..gates._spend import Money, SpendCap, Where
 from ._call import halting
@@ -63,6 +76,8 @@ class GateRules:
     approval_wait_s: float
     redact: tuple[str, ...]
     approvers: int | Callable[[dict[str, Any], Any], int] | None = None
+    trusted_keys: signing.TrustedKeys | None = None
+    accept_unsigned_grants_until: float | None = None
 
     def plan(
         self,
@@ -129,6 +144,8 @@ class GateRules:
             approval_wait_s=self.approval_wait_s,
             approvers=approvers,
             origin=origin or {},
+            trusted_keys=self.trusted_keys,
+            accept_unsigned_grants_until=self.accept_unsigned_grants_until,
         )
         return Gates(gated, self.on_approval)
 
@@ -155,8 +172,11 @@ class GateRules:
 
 def refused(gates: Gates | None, cause: Exception) -> BaseException:
     """What the guard raises for a body that did not start because a gate refused it:
-    `ApprovalRequired` stops the kickoff (unless on_approval="report"); the others are
-    tool errors the agent sees."""
+    `ApprovalRequired` stops the kickoff (unless on_approval="report"), and so do a
+    refused decision and trusted keys that no longer pass, always (no agent should talk
+    its way past them); the others are tool errors the agent sees."""
+    if isinstance(cause, DecisionRefused | SigningConfigurationError):
+        return halting(cause)
     if gates is None or not isinstance(cause, ApprovalRequired):
         return cause
     return halting(cause) if gates.on_approval == "raise" else cause
@@ -165,6 +185,7 @@ def refused(gates: Gates | None, cause: Exception) -> BaseException:
 __all__ = [
     "ApprovalDenied",
     "ApprovalRequired",
+    "DecisionRefused",
     "GateContext",
     "GateRules",
     "Money",
