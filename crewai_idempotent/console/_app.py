@@ -82,8 +82,8 @@ def create_app(
     that is not a `CacheBackend`, and `SigningConfigurationError` for a trusted keys file
     that cannot be used."""
     settings = settings or ConsoleSettings()
-    console = Console(backend, settings, (*SECTIONS, *sections), clock)
-    console.trusted_keys = trusted_keys if trusted_keys is not None else TrustedKeys.from_env()
+    trusted = trusted_keys if trusted_keys is not None else TrustedKeys.from_env()
+    console = Console(backend, settings, (*SECTIONS, *sections), clock, trusted)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

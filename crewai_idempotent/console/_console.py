@@ -25,6 +25,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from .._errors import (
+    DecisionRefused,
     IdempotencyError,
 )
 from ..gates._approvals import Approvals
@@ -98,8 +99,9 @@ class Console:
 
     `backend` is the ledger's store, `settings` how the console runs, `sections` its
     navigation, `clock` what the login throttle counts its window by (`time.monotonic`;
-    tests give their own). Raises `TypeError` for a `backend` that is not a
-    `CacheBackend`."""
+    tests give their own), `trusted_keys` what a decision must be signed with before it
+    is recorded here (None: decisions are not signed here). Raises `TypeError` for a
+    `backend` that is not a `CacheBackend`."""
 
     def __init__(
         self,
@@ -107,12 +109,16 @@ class Console:
         settings: ConsoleSettings,
         sections: Sequence[Section] = SECTIONS,
         clock: Callable[[], float] = time.monotonic,
+        trusted_keys: TrustedKeys | None = None,
     ) -> None:
         self.backend = backend
         self.settings = settings
         self.sections = tuple(sections)
         self.ledger = Ledger(backend)
-        self.approvals = Approvals(backend)
+        # With trusted keys, an approval is refused here unless signed by one of them, as
+        # the workers would refuse it (`_passkeys` signs them).
+        self.trusted_keys = trusted_keys
+        self.approvals = Approvals(backend, trusted_keys=trusted_keys)
         self.accounts = Accounts(backend)
         self.sessions = Sessions(backend, ttl_s=settings.session_ttl_s, idle_s=settings.idle_s)
         self.trust = Trust(networks(settings.trusted_proxies))
@@ -127,9 +133,6 @@ class Console:
         # The outbox dispatchers running beside the console (`_beside`): the notifications
         # page says whether anything here delivers what it lists.
         self.dispatchers: list[Dispatcher] = []
-        # The keys the console checks a signed decision against before recording it, as
-        # the workers will (`create_app` sets them): None, decisions are not signed here.
-        self.trusted_keys: TrustedKeys | None = None
 
     def wake_dispatchers(self) -> None:
         """A decision made here wrote outbox entries with it: deliver them now rather than
@@ -270,7 +273,8 @@ class Console:
         "decide", "resolve" or "purge"), check that a POST comes from the console's own
         origin with its session's CSRF token in `form`, then answer with `handler(console,
         request, who, form)`, setting a new session's cookie. An `IdempotencyError` from
-        `handler` (the ledger did not answer) is a 503 page. Raises what `identify` raises,
+        `handler` (the ledger did not answer) is a 503 page, a `DecisionRefused` (an
+        unsigned approval where decisions are signed) a 403. Raises what `identify` raises,
         `KeyError` for an unknown `action`, and whatever else `handler` raises."""
         who, token, refused = self.identify(request)
         if refused is not None:
@@ -295,6 +299,8 @@ class Console:
             )  # fmt: skip
         try:
             response = handler(self, request, who, form)
+        except DecisionRefused as exc:  # an unsigned approval, with trusted keys
+            response = self.refusal(request, 403, f"Refused: {exc}. Nothing was decided.", who)
         except IdempotencyError as exc:
             response = self.refusal(request, 503, f"The ledger answered: {exc}", who)
         if token is not None:

@@ -23,6 +23,7 @@ from starlette.responses import RedirectResponse, Response, StreamingResponse
 from .._errors import (
     ApprovalAlreadyDecided,
     ApprovalNotFound,
+    DecisionRefused,
     ResolutionRefused,
 )
 from .._units import parse_duration
@@ -436,7 +437,7 @@ def _slack_click(console: Console, click: _slack.Click) -> str:
             )  # fmt: skip
     except ApprovalNotFound:
         return f"There is no approval request {click.request_id} any more."
-    except ApprovalAlreadyDecided as exc:
+    except (ApprovalAlreadyDecided, DecisionRefused) as exc:  # refused: unsigned, signing on
         return f"Nothing changed: {exc}"
     log.info("%s (Slack %s) decided %s: %s", who.name, click.user, decided.id, decided.state.value)
     console.wake_dispatchers()

@@ -501,6 +501,8 @@ def decide(verdict: str) -> Any:
             return _refused(console, request, who, 409, f"{exc}.")
         except DecisionRefused as exc:
             return _refused(console, request, who, 403, f"{exc}.")
+        except ValueError as exc:  # not about the request as it is now (moved meanwhile)
+            return _refused(console, request, who, 409, f"{exc}.")
         log.info(
             "%s %s %s with passkey %s (%s)", who.name,
             "approved" if verdict == "approve" else "denied", asked.id, envelope.key_id,
