@@ -414,9 +414,16 @@ def test_with_trusted_keys_the_console_offers_only_signed_decisions(
         listing = client.get("/approvals").text
         assert 'button type="submit" class="approve"' not in listing
         assert "approve or deny with your passkey" in listing
-        page = client.get("/passkeys").text
-        assert "not in this console&#39;s trusted keys yet" in page
-        assert f">> {trusted_file}" in unescape(page)
+        page = unescape(client.get("/passkeys").text)
+        assert "not in this console's trusted keys yet" in page
+        assert f">> {trusted_file}" in page
+        # An unsigned approval, posted all the same: refused, nothing written.
+        csrf = csrf_of(listing)
+        plain = client.post(
+            f"/approvals/{rid}/approve", data={"csrf": csrf, "round": "1", "ttl": "1h"}
+        )
+        assert plain.status_code == 403 and "refused (unsigned)" in plain.text
+        assert Approvals(backend).get(rid).approvals == ()
         # Not in the trusted keys yet: the workers would refuse it, so it is not recorded.
         refused = post_signed(client, rid, *sign(client, passkey, rid))
         assert (
