@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from html import unescape
@@ -31,10 +34,10 @@ from crewai_idempotent.console import Accounts, ConsoleSettings, create_app
 from crewai_idempotent.gates._approvals import Approvals, ApprovalState
 from crewai_idempotent.gates._plan import Plan
 from crewai_idempotent.gates._spend import Where
-from crewai_idempotent.signing import Decision, SignatureEnvelope, TrustedKeys, verify
+from crewai_idempotent.signing import ENV, Decision, SignatureEnvelope, TrustedKeys, verify
 from crewai_idempotent.signing._encoding import from_b64url
 from tests.signing.authenticator import Authenticator
-from tests.support.console import PASSWORD, csrf_of, login
+from tests.support.console import PASSWORD, REPO, csrf_of, login, served
 
 BASE = "http://localhost"  # passkeys belong to a name: never an IP address
 ORIGIN = "http://localhost"
@@ -437,3 +440,22 @@ def test_with_trusted_keys_the_console_offers_only_signed_decisions(
         assert "trusted by this console" in client.get("/passkeys").text
         assert post_signed(client, rid, *sign(client, passkey, rid)).status_code == 303
         assert Approvals(backend).get(rid).state is ApprovalState.APPROVED
+
+
+def test_the_console_command_reads_the_workers_trusted_keys_before_it_listens(
+    backend: CacheBackend, tmp_path: Path
+) -> None:
+    url = backend.url  # type: ignore[attr-defined]
+    missing = tmp_path / "no-such-file"
+    done = subprocess.run(
+        [sys.executable, "-m", "crewai_idempotent.cli", "--ledger", url, "console", "--port", "0"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+        env={**os.environ, ENV: str(missing)},
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"${ENV}: trusted keys file {missing} does not exist" in done.stderr
+    trusted = tmp_path / "trusted_keys"
+    trusted.write_text(Authenticator("localhost").line("carol", origin=ORIGIN) + "\n")
+    trusted.chmod(0o600)
+    with served(url, env={ENV: str(trusted)}) as running:
+        assert f"approvals must be signed by a key in {trusted} (1 trusted)" in running.output()
