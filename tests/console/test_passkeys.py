@@ -339,6 +339,10 @@ def test_the_same_passkey_counts_once_for_two_approvers(
     assert register(_as(client, "alice"), passkey).status_code == 303
     first = sign(client, passkey, rid)
     assert post_signed(client, rid, *first).status_code == 303
+    (kept,) = Accounts(backend).get("alice").passkeys  # type: ignore[union-attr]
+    page = client.get(f"/approvals/{rid}").text
+    assert f"alice via console: signed by key <code>{kept.key_id}</code>" in page
+    assert "You approved this round" in page and "Approve with passkey" not in page
     second = post_signed(client, rid, *sign(client, passkey, rid))
     assert second.status_code == 409 and "already approved" in second.text
     replayed = post_signed(client, rid, *first)
