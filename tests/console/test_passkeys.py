@@ -420,7 +420,8 @@ def test_with_trusted_keys_the_console_offers_only_signed_decisions(
         assert register(_as(client, "alice"), passkey).status_code == 303
         listing = client.get("/approvals").text
         assert 'button type="submit" class="approve"' not in listing
-        assert "approve or deny with your passkey" in listing
+        assert "approve with your passkey on the request" in listing
+        assert 'button type="submit" class="deny"' in listing  # obeyed signed or not
         page = unescape(client.get("/passkeys").text)
         assert "not in this console's trusted keys yet" in page
         assert f">> {trusted_file}" in page
