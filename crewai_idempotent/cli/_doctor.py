@@ -24,6 +24,7 @@ import click
 from _crewai_idempotent_autoload import autoload_enabled
 
 from .. import Status
+from .._errors import SigningConfigurationError
 from .._units import ago
 from ..backends._url import local_path
 from ..integration import _verify, default_ledger_path
@@ -85,6 +86,7 @@ def report(where: Where) -> tuple[list[str], int]:
     out = _Report()
     _ledger_facts(where, out)
     _open_facts(where, out)
+    _signing_facts(out)
     _crewai_facts(out)
     _activation_facts(out)
     return out.lines, out.problems
@@ -279,6 +281,80 @@ def _postgres_durability(backend: Any, out: _Report) -> None:
     out.fact("durability", ", ".join(shown))
     for setting, risk in problems:
         out.problem("durability", f"{setting}: {risk}")
+
+
+_TRUSTED_ENV = "CREWAI_IDEMPOTENCY_TRUSTED_KEYS"  # signing.ENV, without loading signing
+_SIGNING_KEY_ENV = "CREWAI_IDEMPOTENCY_SIGNING_KEY"
+_UNSIGNED_UNTIL_ENV = "CREWAI_IDEMPOTENCY_ACCEPT_UNSIGNED_GRANTS_UNTIL"
+
+
+def _signing_facts(out: _Report) -> None:
+    """Whether decisions are signed, as this environment tells a worker: the trusted keys
+    (how many, whose, for what, from where), the transition for unsigned grants, and the
+    signing key a decision made here would use. A worker given trusted keys by
+    configure() is not seen here."""
+    from ..signing._keyfile import Signer
+    from ..signing._trusted import TrustedKeys
+
+    try:
+        trusted = TrustedKeys.from_env()
+    except SigningConfigurationError as exc:
+        out.problem("signing", f"{exc} (a worker with this environment refuses to start)")
+        return
+    if trusted is None:
+        out.fact(
+            "signing",
+            f"decisions are unsigned: ${_TRUSTED_ENV} is not set (nor, as far as this "
+            "command can tell, configure(trusted_keys=...)): whoever can write the ledger "
+            "can approve, pass the two-person rule and resolve uncertain outcomes "
+            "(docs/security.md)",
+        )
+    else:
+        keys = list(trusted)
+        out.fact(
+            "signing",
+            f"decisions are signed: {len(keys)} trusted key(s) from ${_TRUSTED_ENV} "
+            f"({trusted.path}); workers obey only approvals and resolutions they verify",
+        )
+        by_identity: dict[str, list[Any]] = {}
+        for key in keys:
+            by_identity.setdefault(key.identity, []).append(key)
+        for identity, held in sorted(by_identity.items()):
+            roles = sorted({role for key in held for role in key.roles})
+            kinds = ", ".join(sorted({key.algorithm for key in held}))
+            out.fact("", f"{identity}: {len(held)} key(s) ({kinds}), roles {', '.join(roles)}")
+        approvers = trusted.identities("approve")
+        if len(approvers) < 2:
+            out.fact(
+                "",
+                f"{len(approvers)} identity may approve: a tool with approvers=2 (the "
+                "two-person rule) can never be approved",
+            )
+    until = os.environ.get(_UNSIGNED_UNTIL_ENV, "").strip()
+    if until:
+        out.fact(
+            "signing",
+            f"${_UNSIGNED_UNTIL_ENV}={until}: approvals made without a signature still count "
+            "until then",
+        )
+    key_file = os.environ.get(_SIGNING_KEY_ENV, "").strip()
+    if key_file:
+        try:
+            signer = Signer.from_file(key_file)
+        except SigningConfigurationError as exc:
+            out.problem("signing key", f"${_SIGNING_KEY_ENV}: {exc}")
+            return
+        named = f"${_SIGNING_KEY_ENV}: {signer.identity} (key {signer.key_id})"
+        known = None if trusted is None else trusted.get(signer.key_id)
+        if trusted is None:
+            out.fact("signing key", f"{named} signs the decisions made here")
+        elif known is None:
+            out.problem(
+                "signing key",
+                f"{named} is not among the trusted keys: workers would refuse what it signs",
+            )
+        else:
+            out.fact("signing key", f"{named}, trusted for {', '.join(sorted(known.roles))}")
 
 
 def _crewai_facts(out: _Report) -> None:

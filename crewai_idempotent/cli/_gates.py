@@ -1,6 +1,12 @@
 """`crewai-idempotent approvals ls / show / approve / deny` and `crewai-idempotent spend`.
 
 They use the same `--ledger` as the record commands; the gates' state lives in its backend.
+
+`approve` and `deny` sign the decision with `--key FILE` (or the file
+`$CREWAI_IDEMPOTENCY_SIGNING_KEY` names), as the key's identity. With
+`$CREWAI_IDEMPOTENCY_TRUSTED_KEYS` set (what the workers trust), a decision without a key
+is refused here, naming the flag, and one whose key those keys would refuse is refused
+before anything is written.
 """
 
 from __future__ import annotations
@@ -10,8 +16,13 @@ from typing import Any
 
 import click
 
-from .. import ApprovalRequest, Approvals, SpendLedger
-from .._errors import ApprovalAlreadyDecided, ApprovalNotFound
+from .. import ApprovalRequest, Approvals, SpendLedger, signing
+from .._errors import (
+    ApprovalAlreadyDecided,
+    ApprovalNotFound,
+    DecisionRefused,
+    SigningConfigurationError,
+)
 from .._units import exponent, format_money
 from ..gates._approvals import ApprovalState
 from ..ledger._record import _whoami
@@ -19,10 +30,16 @@ from ._output import duration, ledger_errors, safe, stamp
 from ._where import Where
 
 _LS_SUMMARY = 200  # characters of the arguments `approvals ls` shows on a request's line
+SIGNING_KEY_ENV = "CREWAI_IDEMPOTENCY_SIGNING_KEY"
+TRUSTED_KEYS_ENV = "CREWAI_IDEMPOTENCY_TRUSTED_KEYS"  # signing.ENV, without loading signing
 
 
-def _approvals(where: Where) -> Approvals:
-    return Approvals(where.ledger().backend)
+def _approvals(
+    where: Where,
+    signer: signing.Signer | None = None,
+    trusted: signing.TrustedKeys | None = None,
+) -> Approvals:
+    return Approvals(where.ledger().backend, signer, trusted_keys=trusted)
 
 
 def _stamp(at: float | None) -> str:
@@ -124,44 +141,90 @@ def _no_typed_name(ctx: click.Context, param: click.Parameter, value: str | None
 TYPED_NAME_REFUSED = click.option("--by", hidden=True, expose_value=False, callback=_no_typed_name)
 
 
+SIGNING_KEY = click.option(
+    "--key",
+    "key_file",
+    metavar="FILE",
+    envvar=SIGNING_KEY_ENV,
+    help=f"Sign the decision with this key file (`keys new`). Default: ${SIGNING_KEY_ENV}.",
+)
+
+
 @approvals.command("approve")
 @click.argument("request_id")
 @click.option("--reason", default="", help="Why (kept with the decision).")
 @click.option(
     "--ttl", default="24h", show_default=True, help="The grant must be used within (30m, 2d...)."
 )
+@SIGNING_KEY
 @TYPED_NAME_REFUSED
 @click.pass_obj
-def approve(where: Where, request_id: str, reason: str, ttl: str) -> None:
+def approve(where: Where, request_id: str, reason: str, ttl: str, key_file: str | None) -> None:
     """Approve a pending request: the next run of that exact call goes ahead, once.
 
-    The decision is recorded as yours (user@host). A request that needs several distinct
-    approvers stays pending until enough of them have approved."""
-    _decide(where, request_id, True, reason, _duration(ttl))
+    The decision is recorded as yours (user@host), or, signed with --key FILE (or
+    $CREWAI_IDEMPOTENCY_SIGNING_KEY), as the key's identity: workers with trusted keys
+    use a grant only if each approval is signed by a key they trust. A request that needs
+    several distinct approvers stays pending until enough of them have approved."""
+    _decide(where, request_id, True, reason, _duration(ttl), key_file)
 
 
 @approvals.command("deny")
 @click.argument("request_id")
 @click.option("--reason", required=True, help="Why (the agent is told).")
+@SIGNING_KEY
 @TYPED_NAME_REFUSED
 @click.pass_obj
-def deny(where: Where, request_id: str, reason: str) -> None:
-    """Deny a request: the call fails with ApprovalDenied and never runs."""
-    _decide(where, request_id, False, reason, None)
+def deny(where: Where, request_id: str, reason: str, key_file: str | None) -> None:
+    """Deny a request: the call fails with ApprovalDenied and never runs.
+
+    Signed with --key FILE (or $CREWAI_IDEMPOTENCY_SIGNING_KEY) as for approve."""
+    _decide(where, request_id, False, reason, None, key_file)
 
 
-def _decide(where: Where, rid: str, grant: bool, reason: str, ttl: float | None) -> None:
-    who = _whoami()
+def _signing(
+    key_file: str | None, grant: bool
+) -> tuple[signing.Signer | None, signing.TrustedKeys | None]:
+    """The signer --key names and the trusted keys of $CREWAI_IDEMPOTENCY_TRUSTED_KEYS
+    (each None when not given); with trusted keys, a key is required."""
+    try:
+        trusted = signing.TrustedKeys.from_env()
+        signer = signing.Signer.from_file(key_file) if key_file else None
+    except SigningConfigurationError as exc:
+        raise click.ClickException(safe(str(exc))) from None
+    if trusted is not None and signer is None:
+        why = (
+            "the workers use no grant without a signature by one of them"
+            if grant
+            else "a denial made here names who made it by their signature"
+        )
+        raise click.ClickException(
+            f"decisions are signed here: ${TRUSTED_KEYS_ENV} names the keys the workers "
+            f"trust, and {why}. Give your key with --key FILE (or ${SIGNING_KEY_ENV}); "
+            "`crewai-idempotent keys new FILE --identity NAME` makes one, whose line goes "
+            "in that file. Nothing was written"
+        )
+    return signer, trusted
+
+
+def _decide(
+    where: Where, rid: str, grant: bool, reason: str, ttl: float | None, key_file: str | None
+) -> None:
+    signer, trusted = _signing(key_file, grant)
+    who = _whoami() if signer is None else signer.identity
+    by = None if signer is not None else who
     try:
         with ledger_errors(where.scrub):
-            store = _approvals(where)
+            store = _approvals(where, signer, trusted)
             if grant:
                 assert ttl is not None
-                decided = store.approve(rid, by=who, reason=reason, ttl_s=ttl, via="cli")
+                decided = store.approve(rid, by=by, reason=reason, ttl_s=ttl, via="cli")
             else:
-                decided = store.deny(rid, by=who, reason=reason, via="cli")
-    except (ApprovalNotFound, ApprovalAlreadyDecided, ValueError) as exc:
+                decided = store.deny(rid, by=by, reason=reason, via="cli")
+    except (ApprovalNotFound, ApprovalAlreadyDecided, DecisionRefused, ValueError) as exc:
         raise _fail(where, exc) from None
+    if signer is not None:
+        click.echo(safe(f"signed by {signer.identity} (key {signer.key_id})"))
     if grant and decided.state is ApprovalState.PENDING:
         click.echo(
             safe(

@@ -82,8 +82,7 @@ def create_app(
     that is not a `CacheBackend`, and `SigningConfigurationError` for a trusted keys file
     that cannot be used."""
     settings = settings or ConsoleSettings()
-    trusted = trusted_keys if trusted_keys is not None else TrustedKeys.from_env()
-    console = Console(backend, settings, (*SECTIONS, *sections), clock, trusted)
+    console = Console(backend, settings, (*SECTIONS, *sections), clock, trusted_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -24,14 +24,13 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
+from .. import signing
 from .._errors import (
-    DecisionRefused,
     IdempotencyError,
 )
 from ..gates._approvals import Approvals
 from ..ledger._backend import CacheBackend, url_of
 from ..ledger._ledger import Ledger
-from ..signing._trusted import TrustedKeys
 from ._accounts import Accounts
 from ._auth import LoginThrottle, Trust, Who, networks
 from ._live import Watcher
@@ -99,9 +98,11 @@ class Console:
 
     `backend` is the ledger's store, `settings` how the console runs, `sections` its
     navigation, `clock` what the login throttle counts its window by (`time.monotonic`;
-    tests give their own), `trusted_keys` what a decision must be signed with before it
-    is recorded here (None: decisions are not signed here). Raises `TypeError` for a
-    `backend` that is not a `CacheBackend`."""
+    tests give their own). `trusted_keys`: what the workers trust (by default those
+    `$CREWAI_IDEMPOTENCY_TRUSTED_KEYS` names; None when it is unset): with them,
+    approvals are signed, and an approval this console cannot sign is refused before
+    anything is written. Raises `TypeError` for a `backend` that is not a
+    `CacheBackend`, and `SigningConfigurationError` for trusted keys that do not pass."""
 
     def __init__(
         self,
@@ -109,16 +110,17 @@ class Console:
         settings: ConsoleSettings,
         sections: Sequence[Section] = SECTIONS,
         clock: Callable[[], float] = time.monotonic,
-        trusted_keys: TrustedKeys | None = None,
+        trusted_keys: signing.TrustedKeys | None = None,
     ) -> None:
         self.backend = backend
         self.settings = settings
         self.sections = tuple(sections)
         self.ledger = Ledger(backend)
-        # With trusted keys, an approval is refused here unless signed by one of them, as
-        # the workers would refuse it (`_passkeys` signs them).
-        self.trusted_keys = trusted_keys
-        self.approvals = Approvals(backend, trusted_keys=trusted_keys)
+        # What the workers trust, as this host is told: with them, approvals are signed.
+        self.trusted_keys = (
+            trusted_keys if trusted_keys is not None else signing.TrustedKeys.from_env()
+        )
+        self.approvals = Approvals(backend, trusted_keys=self.trusted_keys)
         self.accounts = Accounts(backend)
         self.sessions = Sessions(backend, ttl_s=settings.session_ttl_s, idle_s=settings.idle_s)
         self.trust = Trust(networks(settings.trusted_proxies))
@@ -273,8 +275,7 @@ class Console:
         "decide", "resolve" or "purge"), check that a POST comes from the console's own
         origin with its session's CSRF token in `form`, then answer with `handler(console,
         request, who, form)`, setting a new session's cookie. An `IdempotencyError` from
-        `handler` (the ledger did not answer) is a 503 page, a `DecisionRefused` (an
-        unsigned approval where decisions are signed) a 403. Raises what `identify` raises,
+        `handler` (the ledger did not answer) is a 503 page. Raises what `identify` raises,
         `KeyError` for an unknown `action`, and whatever else `handler` raises."""
         who, token, refused = self.identify(request)
         if refused is not None:
@@ -299,8 +300,6 @@ class Console:
             )  # fmt: skip
         try:
             response = handler(self, request, who, form)
-        except DecisionRefused as exc:  # an unsigned approval, with trusted keys
-            response = self.refusal(request, 403, f"Refused: {exc}. Nothing was decided.", who)
         except IdempotencyError as exc:
             response = self.refusal(request, 503, f"The ledger answered: {exc}", who)
         if token is not None:

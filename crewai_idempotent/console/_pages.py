@@ -25,6 +25,7 @@ from .._errors import (
     ApprovalNotFound,
     DecisionRefused,
     ResolutionRefused,
+    command,
 )
 from .._units import parse_duration
 from ..gates._approvals import ApprovalState, _check_id
@@ -220,6 +221,8 @@ def decision(grant: bool) -> Handler:
             return console.refusal(request, 404, f"No approval request {rid}.", who)
         except ApprovalAlreadyDecided as exc:
             return again(console, request, who, form, str(exc))
+        except DecisionRefused:
+            return again(console, request, who, form, _signed_only(console, rid))
         log.info("%s %s %s (%s)", who.name, "approved" if grant else "denied", rid,
                  decided.state.value)  # fmt: skip
         console.wake_dispatchers()
@@ -227,6 +230,16 @@ def decision(grant: bool) -> Handler:
         return RedirectResponse(f"{back}?{urlencode({'done': done, 'id': rid})}", 303)
 
     return decide
+
+
+def _signed_only(console: Console, rid: str) -> str:
+    """What an approver is told when an approval cannot be signed where it was made."""
+    approve = command(console.approvals._ledger, "approvals", "approve", rid, "--key", "FILE")
+    return (
+        f"Approvals of this ledger are signed (the workers trust only approvals signed by a "
+        f"key of theirs), and this one could not be signed here. Approve {rid} in the "
+        f"console with your passkey, or with your key: {approve}. Nothing changed."
+    )
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -424,6 +437,9 @@ def _slack_click(console: Console, click: _slack.Click) -> str:
     who = Who(account.name, account.role, "slack")
     if not who.may("decide"):
         return f"{account.name} is a {account.role.value}: only approvers decide. Nothing changed."
+    if click.approve and console.trusted_keys is not None:
+        # A button cannot carry a signature; a denial needs none (it only stops a call).
+        return _signed_only(console, click.request_id)
     try:
         if click.approve:
             decided = console.approvals.approve(
@@ -437,7 +453,7 @@ def _slack_click(console: Console, click: _slack.Click) -> str:
             )  # fmt: skip
     except ApprovalNotFound:
         return f"There is no approval request {click.request_id} any more."
-    except (ApprovalAlreadyDecided, DecisionRefused) as exc:  # refused: unsigned, signing on
+    except ApprovalAlreadyDecided as exc:
         return f"Nothing changed: {exc}"
     log.info("%s (Slack %s) decided %s: %s", who.name, click.user, decided.id, decided.state.value)
     console.wake_dispatchers()

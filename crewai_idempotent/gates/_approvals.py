@@ -508,7 +508,14 @@ class Approvals:
         else:
             return None
         if self.trusted_keys is not None:
-            signing.verify(decision, envelope, self.trusted_keys, role="approve")
+            try:
+                signing.verify(decision, envelope, self.trusted_keys, role="approve")
+            except DecisionRefused as exc:
+                raise DecisionRefused(
+                    exc.subject, exc.reason,
+                    f"{exc.detail}; the workers would refuse it, so nothing was written",
+                    kind=exc.kind, key_id=exc.key_id,
+                ) from None  # fmt: skip
         return {"decision": decision.to_json(), "signature": envelope.to_json()}
 
     def expire(self, rid: str, round: int) -> ApprovalRequest | None:

@@ -387,7 +387,8 @@ def configure(
     if config is not None and not isinstance(config, IdempotencyConfig):
         raise TypeError(f"configure() takes an IdempotencyConfig, not {type(config).__name__}")
     new = config if config is not None else (config_from("configure()", settings) or None)
-    _signing_of(new)  # the environment's trusted keys, checked here too
+    if new is not None:
+        _signing_of(new)  # the environment's trusted keys, checked here too
     with _lock:
         previous, _process_config = _process_config, new
         forget_settings()
