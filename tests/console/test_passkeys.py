@@ -430,7 +430,7 @@ def test_with_trusted_keys_the_console_offers_only_signed_decisions(
         plain = client.post(
             f"/approvals/{rid}/approve", data={"csrf": csrf, "round": "1", "ttl": "1h"}
         )
-        assert plain.status_code == 403 and "refused (unsigned)" in plain.text
+        assert plain.status_code == 409 and "Approvals of this ledger are signed" in plain.text
         assert Approvals(backend).get(rid).approvals == ()
         # Not in the trusted keys yet: the workers would refuse it, so it is not recorded.
         refused = post_signed(client, rid, *sign(client, passkey, rid))
