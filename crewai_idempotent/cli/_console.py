@@ -165,7 +165,7 @@ def console(ctx: click.Context, **options: Any) -> None:
 
 def _serve(where: Where, **o: Any) -> None:
     try:
-        from .._errors import ListenError
+        from .._errors import ListenError, SigningConfigurationError
         from ..console._serve import serve
         from ..console._settings import ConsoleSettings
     except ImportError as exc:
@@ -199,8 +199,8 @@ def _serve(where: Where, **o: Any) -> None:
             say=lambda line: click.echo(safe(line), err=line.startswith("WARNING")),
             background=background, trusted_keys=trusted,
         )  # fmt: skip
-    except ListenError as exc:
-        raise click.ClickException(str(exc)) from None
+    except (ListenError, SigningConfigurationError) as exc:  # trusted keys: never unsigned
+        raise click.ClickException(safe(str(exc))) from None
 
 
 def _trusted_keys() -> Any:

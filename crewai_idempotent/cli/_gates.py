@@ -223,19 +223,18 @@ def _decide(
                 decided = store.deny(rid, by=by, reason=reason, via="cli")
     except (ApprovalNotFound, ApprovalAlreadyDecided, DecisionRefused, ValueError) as exc:
         raise _fail(where, exc) from None
+    if grant and decided.state is ApprovalState.PENDING:
+        said = (
+            f"{decided.id} approved by {who}: {len(decided.approvals)} of "
+            f"{decided.approvers_needed} distinct approvers; it stays PENDING until "
+            f"another approves (key {decided.key!r})"
+        )
+    else:
+        until = f" until {_stamp(decided.grant_expires_at)}" if grant else ""
+        said = f"{decided.id} {decided.state.value} by {who}{until} (key {decided.key!r})"
+    click.echo(safe(said))
     if signer is not None:
         click.echo(safe(f"signed by {signer.identity} (key {signer.key_id})"))
-    if grant and decided.state is ApprovalState.PENDING:
-        click.echo(
-            safe(
-                f"{decided.id} approved by {who}: {len(decided.approvals)} of "
-                f"{decided.approvers_needed} distinct approvers; it stays PENDING until "
-                f"another approves (key {decided.key!r})"
-            )
-        )
-        return
-    until = f" until {_stamp(decided.grant_expires_at)}" if grant else ""
-    click.echo(safe(f"{decided.id} {decided.state.value} by {who}{until} (key {decided.key!r})"))
 
 
 @click.command("spend")

@@ -29,6 +29,7 @@ from .._errors import (
 )
 from .._units import parse_duration
 from ..gates._approvals import ApprovalState, _check_id
+from ..ledger._backend import ledger_option
 from ..notifications._outbox import TYPES, Outbox
 from . import _slack, _views
 from ._auth import Who
@@ -234,7 +235,7 @@ def decision(grant: bool) -> Handler:
 
 def _signed_only(console: Console, rid: str) -> str:
     """What an approver is told when an approval cannot be signed where it was made."""
-    approve = command(console.approvals._ledger, "approvals", "approve", rid, "--key", "FILE")
+    approve = command(ledger_option(console.backend), "approvals", "approve", rid, "--key", "FILE")
     return (
         f"Approvals of this ledger are signed (the workers trust only approvals signed by a "
         f"key of theirs), and this one could not be signed here. Approve {rid} in the "

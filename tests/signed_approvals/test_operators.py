@@ -203,3 +203,15 @@ def test_with_signing_on_the_console_form_refuses_an_approval_it_cannot_sign(
     )
     assert answer.status_code == 409 and "Approvals of this ledger are signed" in answer.text
     assert Approvals(store).get(rid).state is ApprovalState.PENDING
+
+
+def test_a_console_told_of_trusted_keys_that_do_not_pass_does_not_start(
+    store: CacheBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("starlette", reason="the console extra is not installed")
+    from crewai_idempotent import SigningConfigurationError
+    from crewai_idempotent.console import ConsoleSettings, create_app
+
+    monkeypatch.setenv(TRUSTED_ENV, str(tmp_path / "missing"))
+    with pytest.raises(SigningConfigurationError, match="does not exist"):
+        create_app(store, ConsoleSettings())

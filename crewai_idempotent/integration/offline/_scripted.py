@@ -238,6 +238,7 @@ def run_offline(
         with (
             demo_ledger(ledger_path, ledger_url, command) as (backend, described),
             crewai_files_thrown_away(command) as crewai_made,
+            unsigned(),
         ):
             demo = make(out, backend, described)
             status = demo.run()
@@ -248,6 +249,25 @@ def run_offline(
     except (LedgerUnavailable, LedgerConfigurationError) as exc:
         say(out, f"[red]cannot use that ledger:[/] {escape(str(exc))}")
         return 1
+
+
+# What makes the guard demand signed decisions (integration/_signing): a demo's operator
+# decides in-process without a key, on a throwaway ledger no deployment trusts anyway.
+_SIGNING_ENV = (
+    "CREWAI_IDEMPOTENCY_TRUSTED_KEYS",
+    "CREWAI_IDEMPOTENCY_ACCEPT_UNSIGNED_GRANTS_UNTIL",
+)
+
+
+@contextlib.contextmanager
+def unsigned() -> Iterator[None]:
+    """The demo's decisions unsigned whatever the environment says, for as long as it
+    runs (a demo owns its process), and the environment as it was afterwards."""
+    kept = {name: os.environ.pop(name) for name in _SIGNING_ENV if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(kept)
 
 
 def _crewai_user_folders() -> list[Path]:

@@ -44,6 +44,9 @@ def run_in_subprocess(
     `subprocess.TimeoutExpired` if it runs past `timeout_s` (it is killed then)."""
     env = {**os.environ, **OFFLINE, ALLOW_UNTESTED_ENV: "1"}
     env.pop(URL_ENV, None)
+    # The checks decide nothing a person signs: the deployment's trusted keys are not theirs.
+    env.pop("CREWAI_IDEMPOTENCY_TRUSTED_KEYS", None)
+    env.pop("CREWAI_IDEMPOTENCY_ACCEPT_UNSIGNED_GRANTS_UNTIL", None)
     command = [sys.executable, "-m", SELFTEST]
     version = "unknown"
     results: list[dict[str, Any]] = []
