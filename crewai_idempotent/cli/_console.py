@@ -187,6 +187,7 @@ def _serve(where: Where, **o: Any) -> None:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     interval = _seconds(o["reconcile_interval"], "--reconcile-interval")
+    trusted = _trusted_keys()
     backend = _backend(where)
     with ledger_errors(where.scrub):
         _check_accounts(where, backend, settings.auth)
@@ -196,10 +197,30 @@ def _serve(where: Where, **o: Any) -> None:
             backend, settings, host=o["host"], port=o["port"], tls_cert=o["tls_cert"],
             tls_key=o["tls_key"], log_level=o["log_level"],
             say=lambda line: click.echo(safe(line), err=line.startswith("WARNING")),
-            background=background,
+            background=background, trusted_keys=trusted,
         )  # fmt: skip
     except (ListenError, SigningConfigurationError) as exc:  # trusted keys: never unsigned
         raise click.ClickException(safe(str(exc))) from None
+
+
+def _trusted_keys() -> Any:
+    """The trusted keys the console checks signed decisions against, as the workers do
+    ($CREWAI_IDEMPOTENCY_TRUSTED_KEYS), read before it listens: a file that cannot be
+    used is an error now, never a console that quietly records unsigned approvals."""
+    from .._errors import SigningConfigurationError
+    from ..signing._trusted import ENV, TrustedKeys
+
+    try:
+        trusted = TrustedKeys.from_env()
+    except SigningConfigurationError as exc:
+        raise click.ClickException(safe(str(exc))) from None
+    if trusted is None:
+        click.echo(f"note: no trusted keys (${ENV}): approvals are recorded unsigned, and "
+                   "passkey signatures are optional", err=True)  # fmt: skip
+    else:
+        click.echo(safe(f"approvals must be signed by a key in {trusted.path} ({len(trusted)} "
+                        "trusted)"), err=True)  # fmt: skip
+    return trusted
 
 
 def _dispatching(

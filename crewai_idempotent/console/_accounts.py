@@ -14,6 +14,13 @@ Slack user id links an account to Slack's button posts.
 
 Changing a password, disabling or removing an account bumps its `generation`: every
 session made before ends at its next request.
+
+An approver's passkeys (`Passkey`: the trusted keys line the console made when it was
+registered) are kept in the account too: they tell the console which credentials to ask
+the browser for and let it check an assertion before recording it. They are a
+convenience, never trusted: the workers check a signed decision against their own
+trusted keys file only, so a passkey written into this document by anyone else signs
+nothing the workers obey.
 """
 
 from __future__ import annotations
@@ -23,14 +30,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import AccountError
+from .._errors import AccountError, SigningConfigurationError
 from ..gates import _gatestore
 from ..ledger._backend import CacheBackend
+from ..signing._trusted import TrustedKeys
 
 KEY = f"{_gatestore.PREFIX}console/accounts"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}$")
 _SLACK_ID = re.compile(r"^[UW][A-Z0-9]{2,31}$")
 MIN_PASSWORD = 12
+MAX_PASSKEYS = 20  # per account: a person's devices, not a key ring
+MAX_LABEL = 100
+_LABEL = re.compile(r"^[^\x00-\x1f\x7f]*$")
 
 
 class Role(enum.StrEnum):
@@ -52,6 +63,28 @@ _NEEDS = {"view": Role.VIEWER, "decide": Role.APPROVER, "resolve": Role.OPERATOR
 
 
 @dataclass(frozen=True, slots=True)
+class Passkey:
+    """One passkey registered by an account, as the accounts document keeps it."""
+
+    credential: str  # its credential id, base64url (what the browser is asked for)
+    key_id: str  # its key id (SHA256:...), what its signatures name
+    line: str  # its trusted keys line, for the workers' trusted keys file
+    label: str  # what its owner called it ("laptop", "YubiKey 5C")
+    created_at: float  # when it was registered (store's clock)
+
+    @classmethod
+    def from_doc(cls, d: dict[str, Any]) -> Passkey:
+        return cls(
+            credential=d["credential"], key_id=d["key_id"], line=d["line"],
+            label=d.get("label", ""), created_at=d["created_at"],
+        )  # fmt: skip
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"credential": self.credential, "key_id": self.key_id, "line": self.line,
+                "label": self.label, "created_at": self.created_at}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class Account:
     """One console account, as the accounts document keeps it."""
 
@@ -63,6 +96,7 @@ class Account:
     generation: int  # bumped to end every session made before
     created_at: float  # when it was added (store's clock)
     updated_at: float  # when it last changed (store's clock)
+    passkeys: tuple[Passkey, ...] = ()  # registered in the console, oldest first
 
     @classmethod
     def from_doc(cls, name: str, d: dict[str, Any]) -> Account:
@@ -71,6 +105,7 @@ class Account:
             slack_user=d.get("slack"), disabled=bool(d.get("disabled")),
             generation=int(d.get("generation", 1)), created_at=d["created_at"],
             updated_at=d["updated_at"],
+            passkeys=tuple(Passkey.from_doc(p) for p in d.get("passkeys", ())),
         )  # fmt: skip
 
 
@@ -98,6 +133,15 @@ def check_slack_user(user: Any) -> str:
             f"profile, not the display name), not {user!r}"
         )
     return user
+
+
+def check_label(label: Any) -> str:
+    if not isinstance(label, str) or len(label) > MAX_LABEL or not _LABEL.match(label):
+        raise AccountError(
+            f"a passkey's label is text of at most {MAX_LABEL} characters on one line, not "
+            f"{label!r:.120}"
+        )
+    return label.strip()
 
 
 def check_password(name: str, password: str) -> None:
@@ -250,6 +294,71 @@ class Accounts:
             del entries[name]
 
         self._change(change)
+
+    # -- passkeys (the console's Passkeys page) ----------------------------------------
+
+    def add_passkey(self, name: str, line: str, label: str = "") -> Passkey:
+        """Keep the passkey whose trusted keys line is `line` (made by
+        `signing.passkey_line` when it was registered) for the account `name`, called
+        `label`. Raises `AccountError` for a name or label that will not do, no such
+        account, a line that does not read or is not a passkey's of `name` (its identity
+        is the account's name), a passkey registered already (to any account), or more
+        than 20; and `LedgerUnavailable` if the store cannot be read or written."""
+        check_name(name)
+        label = check_label(label)
+        try:
+            (key,) = TrustedKeys.from_lines([line], f"the passkey line for {name!r}")
+        except (SigningConfigurationError, ValueError) as exc:
+            raise AccountError(f"not a passkey's trusted keys line: {exc}") from None
+        if key.algorithm != "webauthn" or key.identity != name:
+            raise AccountError(
+                f"the line is a {key.algorithm} key of {key.identity!r}: an account keeps "
+                f"only passkeys whose identity is its name ({name!r})"
+            )
+        credential = key.options["credential"]
+
+        def change(entries: dict[str, Any], now: float) -> None:
+            entry = _existing(entries, name)
+            for other, held in entries.items():
+                for known in held.get("passkeys", ()):
+                    if known["credential"] == credential or known["key_id"] == key.key_id:
+                        raise AccountError(
+                            f"this passkey is registered already (to {other!r}, "
+                            f"{known.get('label') or known['key_id']})"
+                        )
+            kept = list(entry.get("passkeys", ()))
+            if len(kept) >= MAX_PASSKEYS:
+                raise AccountError(
+                    f"{name!r} has {len(kept)} passkeys, the most an account keeps: remove one"
+                )
+            made = Passkey(credential, key.key_id, key.line(), label, now)
+            entry["passkeys"] = [*kept, made.to_doc()]
+            entry["updated_at"] = now
+
+        self._change(change)
+        return next(p for p in self._must(name).passkeys if p.credential == credential)
+
+    def remove_passkey(self, name: str, key_id: str) -> Passkey:
+        """Forget the passkey `key_id` (SHA256:...) of the account `name`, returning it.
+        The console then no longer offers it; the workers stop trusting it only when its
+        line leaves their trusted keys file. Raises `AccountError` for a name that will
+        not do, no such account or no such passkey, and `LedgerUnavailable` if the store
+        cannot be read or written."""
+        check_name(name)
+        removed: list[Passkey] = []
+
+        def change(entries: dict[str, Any], now: float) -> None:
+            entry = _existing(entries, name)
+            kept = list(entry.get("passkeys", ()))
+            gone = [p for p in kept if p["key_id"] == key_id]
+            if not gone:
+                raise AccountError(f"{name!r} has no passkey {key_id!r}")
+            removed[:] = [Passkey.from_doc(gone[0])]
+            entry["passkeys"] = [p for p in kept if p["key_id"] != key_id]
+            entry["updated_at"] = now
+
+        self._change(change)
+        return removed[0]
 
     # -- logging in ---------------------------------------------------------------------
 

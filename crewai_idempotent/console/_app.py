@@ -23,6 +23,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..ledger._backend import CacheBackend
+from ..signing._trusted import TrustedKeys
 from ._console import SECTIONS, Background, Console, Section, log, route
 from ._pages import (
     approval_page,
@@ -41,6 +42,7 @@ from ._pages import (
     spend_page,
     uncertain_page,
 )
+from ._passkeys import ROUTES as PASSKEY_ROUTES
 from ._security import (
     BodyLimit,
     KnownHosts,
@@ -69,13 +71,18 @@ def create_app(
     routes: Sequence[BaseRoute] = (),
     background: Sequence[Background] = (),
     clock: Callable[[], float] = time.monotonic,
+    trusted_keys: TrustedKeys | None = None,
 ) -> Starlette:
     """The console over `backend` as an ASGI application. `sections` and `routes` add
     pages; each `background` coroutine runs (given the `Console`) while the app does.
-    `settings`: `ConsoleSettings()` when None; `clock` as for `Console`. Raises
-    `TypeError` for a `backend` that is not a `CacheBackend`."""
+    `settings`: `ConsoleSettings()` when None; `clock` as for `Console`; `trusted_keys`:
+    what a signed decision is checked against before it is recorded (by default the
+    file `$CREWAI_IDEMPOTENCY_TRUSTED_KEYS` names, as the workers read it; none: not
+    checked here, and unsigned decisions are offered). Raises `TypeError` for a `backend`
+    that is not a `CacheBackend`, and `SigningConfigurationError` for a trusted keys file
+    that cannot be used."""
     settings = settings or ConsoleSettings()
-    console = Console(backend, settings, (*SECTIONS, *sections), clock)
+    console = Console(backend, settings, (*SECTIONS, *sections), clock, trusted_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -115,6 +122,7 @@ def create_app(
             route("/notifications", "view", notifications_page),
             Route("/events", events),
             Route("/slack/interactive", slack_interactive, methods=["POST"]),
+            *PASSKEY_ROUTES,
             *routes,
             Mount("/static", static, name="static"),
         ],

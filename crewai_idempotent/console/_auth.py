@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ._accounts import Role
+from ._accounts import Passkey, Role
 from ._sessions import Session
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -42,6 +42,7 @@ class Who:
     role: Role
     via: str  # "console" (a password login), "auth proxy", "slack"
     session: Session | None = None
+    passkeys: tuple[Passkey, ...] = ()  # the account's, as read for this request
 
     def may(self, action: str) -> bool:
         return self.role.may(action)

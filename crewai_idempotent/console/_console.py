@@ -99,11 +99,11 @@ class Console:
 
     `backend` is the ledger's store, `settings` how the console runs, `sections` its
     navigation, `clock` what the login throttle counts its window by (`time.monotonic`;
-    tests give their own). `trusted_keys` are those `$CREWAI_IDEMPOTENCY_TRUSTED_KEYS`
-    names (None when unset): with them, approvals are signed, and an approval this
-    console cannot sign is refused before anything is written. Raises `TypeError` for a
-    `backend` that is not a `CacheBackend`, and `SigningConfigurationError` for trusted
-    keys that do not pass."""
+    tests give their own). `trusted_keys`: what the workers trust (by default those
+    `$CREWAI_IDEMPOTENCY_TRUSTED_KEYS` names; None when it is unset): with them,
+    approvals are signed, and an approval this console cannot sign is refused before
+    anything is written. Raises `TypeError` for a `backend` that is not a
+    `CacheBackend`, and `SigningConfigurationError` for trusted keys that do not pass."""
 
     def __init__(
         self,
@@ -111,13 +111,16 @@ class Console:
         settings: ConsoleSettings,
         sections: Sequence[Section] = SECTIONS,
         clock: Callable[[], float] = time.monotonic,
+        trusted_keys: signing.TrustedKeys | None = None,
     ) -> None:
         self.backend = backend
         self.settings = settings
         self.sections = tuple(sections)
         self.ledger = Ledger(backend)
         # What the workers trust, as this host is told: with them, approvals are signed.
-        self.trusted_keys = signing.TrustedKeys.from_env()
+        self.trusted_keys = (
+            trusted_keys if trusted_keys is not None else signing.TrustedKeys.from_env()
+        )
         self.approvals = Approvals(backend, trusted_keys=self.trusted_keys)
         self.accounts = Accounts(backend)
         self.sessions = Sessions(backend, ttl_s=settings.session_ttl_s, idle_s=settings.idle_s)
@@ -206,7 +209,7 @@ class Console:
         if account is None or account.disabled or account.generation != session.generation:
             self.sessions.end(session)
             return None, None, None
-        return Who(account.name, account.role, "console", session), None, None
+        return Who(account.name, account.role, "console", session, account.passkeys), None, None
 
     def _from_proxy(self, request: Request) -> tuple[Who | None, str | None, Response | None]:
         peer = self.peer(request)
@@ -241,7 +244,7 @@ class Console:
         token = None
         if session is None:
             token, session = self.sessions.start(account.name, account.generation, "auth proxy")
-        return Who(account.name, account.role, "auth proxy", session), token, None
+        return Who(account.name, account.role, "auth proxy", session, account.passkeys), token, None
 
     def _session(self, request: Request) -> Session | None:
         # A page's own live updates are not a person's activity: they do not keep an
@@ -342,6 +345,7 @@ class Console:
             "csrf": who.session.csrf if who is not None and who.session is not None else "",
             "now": self.backend.now(), "proxy_mode": self.settings.auth == "proxy",
             "path": request.url.path, "here": _here(request),
+            "signing": self.trusted_keys is not None,
         }  # fmt: skip
 
     # -- what runs beside it --------------------------------------------------------------

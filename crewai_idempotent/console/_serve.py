@@ -17,6 +17,7 @@ from typing import Any
 
 from .._errors import ListenError
 from ..ledger._backend import CacheBackend
+from ..signing._trusted import TrustedKeys
 from ._app import create_app
 from ._console import Background
 from ._settings import ConsoleSettings
@@ -87,16 +88,18 @@ def serve(
     log_level: str = "info",
     say: Callable[[str], Any] = print,
     background: Sequence[Background] = (),
+    trusted_keys: TrustedKeys | None = None,
 ) -> None:
     """Serve the console until interrupted; `background` jobs (`_beside`: the dispatcher,
     the sweeper) run as long as it does.
 
-    `backend` and `settings` as for `create_app`. It listens on `host` and `port` (port 0:
-    a free one, said before serving), with TLS of its own from the PEM files `tls_cert`
-    and `tls_key`; `log_level` is uvicorn's. `say` is told what an operator should read:
-    where it listens, and what to know first (no TLS beyond loopback, the Host names it
-    answers to). Raises `ListenError` when it cannot listen there, and what `create_app`
-    and uvicorn raise (TLS files it cannot load, among them)."""
+    `backend`, `settings` and `trusted_keys` as for `create_app`. It listens on `host`
+    and `port` (port 0: a free one, said before serving), with TLS of its own from the
+    PEM files `tls_cert` and `tls_key`; `log_level` is uvicorn's. `say` is told what an
+    operator should read: where it listens, and what to know first (no TLS beyond
+    loopback, the Host names it answers to). Raises `ListenError` when it cannot listen
+    there, and what `create_app` and uvicorn raise (TLS files it cannot load, among
+    them)."""
     import uvicorn
 
     sock = bind(host, port)
@@ -105,7 +108,7 @@ def serve(
         settings = dataclasses.replace(
             settings, allowed_hosts=(*settings.allowed_hosts, host.strip("[]"))
         )
-    app = create_app(backend, settings, background=background)
+    app = create_app(backend, settings, background=background, trusted_keys=trusted_keys)
     config = uvicorn.Config(
         app,
         proxy_headers=False,
