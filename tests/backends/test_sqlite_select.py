@@ -252,7 +252,7 @@ def test_the_backfill_goes_in_short_transactions_while_claims_go_on(
         stop.set()
         worker.join()
     chunks = [
-        s for s in seen.statements if s.startswith("INSERT OR IGNORE INTO idempotency_by_time")
+        s for s in seen.statements if s.startswith("INSERT OR IGNORE INTO idempotency_settled")
     ]
     assert len(chunks) >= 2, "the backfill ran as one transaction"
     newest = list(backend.select(Select(order=Order.NEWEST, limit=len(claimed) + 1)))
@@ -261,6 +261,32 @@ def test_the_backfill_goes_in_short_transactions_while_claims_go_on(
         backend, [Select(order=Order.OLDEST), Select(status=Status.COMMITTED, order=Order.NEWEST)]
     )
     backend.close()
+
+
+def test_each_chunk_of_the_backfill_reads_its_own_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every statement the backfill runs over the records searches one range of the
+    primary key or of the status index, bounded on both sides by its chunk: a chunk costs
+    its records, not the rest of the ledger after it."""
+    path = tmp_path / "ledger.db"
+    old_ledger(path, mixed(1500, random.Random(4)))
+    seen = Connections(monkeypatch)
+    backend = SQLiteCacheBackend(path, synchronous="NORMAL", background_indexing=False)
+    assert backend.build_indexes()
+    backend.close()
+    fills = {s for s in seen.statements if s.startswith("INSERT OR IGNORE INTO idempotency_")}
+    raw = sqlite3.connect(path)
+    try:
+        for statement in fills:
+            plans = [row[3] for row in raw.execute(f"EXPLAIN QUERY PLAN {statement}")]
+            searches = [p for p in plans if " idempotency_records " in f"{p} " or " r " in f"{p} "]
+            assert searches, plans
+            for plan in searches:
+                assert plan.startswith("SEARCH") and "key>? AND key<?" in plan, (statement, plan)
+        assert len(fills) >= 4
+    finally:
+        raw.close()
 
 
 def test_a_background_build_completes_and_many_processes_open_at_once(tmp_path: Path) -> None:
@@ -513,7 +539,8 @@ def test_every_listing_statement_searches_an_index(
             plan = " | ".join(row[3] for row in raw.execute(f"EXPLAIN QUERY PLAN {statement}"))
             assert "SCAN idempotency" not in plan, (statement, plan)
             if "TEMP B-TREE" in plan:
-                assert "idempotency_expiry" in statement or "ORDER BY key" in statement, plan
+                designed = ("idempotency_expiry", "ORDER BY key", "idempotency_records_status")
+                assert any(word in statement for word in designed), plan
                 sorted_by_design += 1
         assert params_of and sorted_by_design < len(params_of)
     finally:

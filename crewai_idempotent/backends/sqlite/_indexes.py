@@ -31,12 +31,16 @@ Why tables filled by triggers, not `CREATE INDEX` on the records:
 
 The index tables, each entry ending with the key:
 
-- `idempotency_by_time (status, updated_at, key)`: every record;
+- `idempotency_settled (status, updated_at, key)`: the COMMITTED and FAILED records (the
+  bulk of a ledger, and what stays). The records in flight or waiting for a person
+  (PENDING, UNCERTAIN) are few, and a claim is the hot path: a claim adds no entry here
+  (its trigger only checks the status), and a time order of those two statuses is sorted
+  from the status index the ledger has always had;
 - `idempotency_flagged (updated_at, key) + status`: records whose JSON says
   `"needs_operator":true` (rare: the table stays small);
 - `idempotency_expiry (expires, updated_at, key)`: COMMITTED records with an expiry,
   `expires` the whole seconds of `expires_at` (`floor`: a select compares with the floor
-  of its time and re-checks), or `UNSURE` when the text is not plain digits;
+  of its time and re-checks), or `UNSURE` when the text does not say them plainly;
 - `idempotency_documents (key) + kind, state, subject, updated_at` and its four indexes:
   the records under `DOCUMENTS` only (a claim of an ordinary key pays the trigger's
   `WHEN` and nothing more).
@@ -53,7 +57,9 @@ from typing import Final
 
 from ...ledger._select import DOCUMENTS
 
-TIME: Final = "idempotency_by_time"
+TIME: Final = "idempotency_settled"
+#: The statuses `TIME` holds.
+SETTLED: Final = ("COMMITTED", "FAILED")
 FLAGGED: Final = "idempotency_flagged"
 EXPIRY: Final = "idempotency_expiry"
 DOCS: Final = "idempotency_documents"
@@ -83,17 +89,27 @@ def _flag(doc: str) -> str:
     return f'instr({doc}, \',"needs_operator":true,"evidence":\') > 0'
 
 
-def _expires(doc: str) -> str:
+def _expires_at(doc: str) -> str:
     # `expires_at` comes before `result`, after nothing nested (the key and the owner's
-    # names are escaped strings, where `,"` cannot occur), so the first `,"expires_at":`
-    # and the first `,"result":` are the top-level ones. NULL: no expiry.
-    return f"""(SELECT CASE
-        WHEN p = 0 OR q < p + 14 THEN {UNSURE}
-        WHEN t = 'null' THEN NULL
-        WHEN t GLOB '[0-9]*' AND NOT t GLOB '*[^0-9.]*' THEN CAST(t AS INTEGER)
-        ELSE {UNSURE} END
-      FROM (SELECT p, q, substr({doc}, p + 14, q - p - 14) AS t
-            FROM (SELECT instr({doc}, ',"expires_at":') AS p, instr({doc}, ',"result":') AS q)))"""
+    # names are escaped strings, where `,"` cannot occur): the first one is the record's.
+    return f"instr({doc}, ',\"expires_at\":')"
+
+
+def _expires(doc: str) -> str:
+    """The whole seconds of the record's `expires_at`, read from its JSON text: the
+    integer its digits begin with (CAST reads the longest prefix that is one, the same in
+    every SQLite version). A number written otherwise (an exponent: `1.5e-05`, `1e+20`;
+    NaN, Infinity, a negative one) begins with fewer than two digits, so anything below 10
+    is `UNSURE`; so is a text without the key. NULL for `null` (no expiry)."""
+    return f"""(SELECT CASE WHEN p = 0 THEN {UNSURE} WHEN substr({doc}, p + 14, 1) = 'n' THEN NULL
+        WHEN v < 10 THEN {UNSURE} ELSE v END
+      FROM (SELECT p, CAST(substr({doc}, p + 14, 24) AS INTEGER) AS v
+            FROM (SELECT {_expires_at(doc)} AS p)))"""
+
+
+def _expiring(doc: str) -> str:
+    # An entry is made unless `expires_at` is null: then `_expires` is never NULL.
+    return f"substr({doc}, {_expires_at(doc)} + 14, 1) <> 'n'"
 
 
 def _field(doc: str, name: str) -> str:
@@ -154,16 +170,20 @@ CREATE TABLE IF NOT EXISTS {BACKFILL} (
 """
 
 
+def _settled(row: str) -> str:
+    return f"{row}.status IN ('{SETTLED[0]}', '{SETTLED[1]}')"
+
+
 def _add(row: str) -> list[str]:
     """The statements that add `row`'s entries (`new` in a trigger)."""
     return [
         f"INSERT OR REPLACE INTO {TIME} (status, updated_at, key) "
-        f"VALUES ({row}.status, {row}.updated_at, {row}.key)",
+        f"SELECT {row}.status, {row}.updated_at, {row}.key WHERE {_settled(row)}",
         f"INSERT OR REPLACE INTO {FLAGGED} (updated_at, key, status) "
         f"SELECT {row}.updated_at, {row}.key, {row}.status WHERE {_flag(f'{row}.doc')}",
         f"INSERT OR REPLACE INTO {EXPIRY} (expires, updated_at, key) "
-        f"SELECT x, {row}.updated_at, {row}.key FROM (SELECT {_expires(f'{row}.doc')} AS x) "
-        f"WHERE {row}.status = 'COMMITTED' AND x IS NOT NULL",
+        f"SELECT {_expires(f'{row}.doc')}, {row}.updated_at, {row}.key "
+        f"WHERE {row}.status = 'COMMITTED' AND {_expiring(f'{row}.doc')}",
     ]
 
 
@@ -171,9 +191,10 @@ def _drop(row: str) -> list[str]:
     """The statements that remove `row`'s entries (`old` in a trigger): each a seek of
     its table's primary key, recomputed from the row."""
     return [
-        f"DELETE FROM {TIME} WHERE status = {row}.status AND updated_at = {row}.updated_at "
+        f"DELETE FROM {TIME} WHERE {_settled(row)} AND status = {row}.status "
+        f"AND updated_at = {row}.updated_at AND key = {row}.key",
+        f"DELETE FROM {FLAGGED} WHERE {_flag(f'{row}.doc')} AND updated_at = {row}.updated_at "
         f"AND key = {row}.key",
-        f"DELETE FROM {FLAGGED} WHERE updated_at = {row}.updated_at AND key = {row}.key",
         f"DELETE FROM {EXPIRY} WHERE {row}.status = 'COMMITTED' "
         f"AND expires = {_expires(f'{row}.doc')} AND updated_at = {row}.updated_at "
         f"AND key = {row}.key",
@@ -278,24 +299,25 @@ def install(conn: sqlite3.Connection) -> None:
 
 # -- backfill --------------------------------------------------------------------------
 
-# A chunk's records, from the key after the last one done to `upto` (included; NULL: to
-# the end). INSERT OR IGNORE: an entry the triggers already made (a record written since
-# they exist) is the same entry, made from the same row.
-_FILL_WHERE = "key > coalesce(?1, '') AND (?2 IS NULL OR key <= ?2)"
+# A chunk's records, from the key after the last one done to `upto` (included): both
+# bounds of one range of the primary key. INSERT OR IGNORE: an entry the triggers already
+# made (a record written since they exist) is the same entry, made from the same row.
+_FILL_WHERE = "key > coalesce(?1, '') AND key <= ?2"
 _FILL = [
     f"INSERT OR IGNORE INTO {TIME} (status, updated_at, key) "
-    f"SELECT status, updated_at, key FROM idempotency_records WHERE {_FILL_WHERE}",
+    f"SELECT status, updated_at, key FROM idempotency_records "
+    f"WHERE {_FILL_WHERE} AND status IN ('{SETTLED[0]}', '{SETTLED[1]}')",
     f"INSERT OR IGNORE INTO {FLAGGED} (updated_at, key, status) "
     f"SELECT updated_at, key, status FROM idempotency_records "
     f"WHERE {_FILL_WHERE} AND {_flag('doc')}",
     f"INSERT OR IGNORE INTO {EXPIRY} (expires, updated_at, key) "
-    f"SELECT x, updated_at, key FROM (SELECT {_expires('r.doc')} AS x, r.updated_at, r.key "
-    f"FROM idempotency_records AS r WHERE r.status = 'COMMITTED' AND "
-    f"r.key > coalesce(?1, '') AND (?2 IS NULL OR r.key <= ?2)) WHERE x IS NOT NULL",
+    f"SELECT {_expires('r.doc')}, r.updated_at, r.key FROM idempotency_records AS r "
+    f"WHERE r.status = 'COMMITTED' AND {_expiring('r.doc')} AND "
+    f"r.key > coalesce(?1, '') AND r.key <= ?2",
     f"INSERT OR IGNORE INTO {DOCS} (key, kind, state, subject, updated_at) "
     f"SELECT r.key, {_kind('r.key')}, {_field('r.doc', 'state')}, {_field('r.doc', 'key')}, "
-    f"r.updated_at FROM idempotency_records AS r WHERE {_in_documents('r.key')} AND "
-    f"r.key > coalesce(?1, '') AND (?2 IS NULL OR r.key <= ?2)",
+    f"r.updated_at FROM idempotency_records AS r WHERE r.key > coalesce(?1, '') AND "
+    f"r.key <= ?2 AND substr(r.key, 1, {len(DOCUMENTS)}) = '{DOCUMENTS}'",
 ]
 # The last key of the next chunk: the keys only (the primary key's order).
 _CHUNK_END = (
@@ -313,7 +335,10 @@ def backfill(conn: sqlite3.Connection, holder: str, rows: int) -> bool | None:
     True: nothing is left (the tables are complete; the backfill row is gone). False:
     more to do. None: another process holds the work (`holder` names this one; a lease
     of `LEASE_S`, renewed with every chunk, so that many processes opening an upgraded
-    ledger at once do not all build), or nothing was ever to be done here."""
+    ledger at once do not all build: those find it held by a read, without the write
+    lock)."""
+    if _held_by_another(conn.execute(_LEASE).fetchone(), holder):
+        return None
     conn.execute("BEGIN IMMEDIATE")
     try:
         row = conn.execute(f"SELECT done_through, holder, held_until FROM {BACKFILL}").fetchone()
@@ -321,14 +346,15 @@ def backfill(conn: sqlite3.Connection, holder: str, rows: int) -> bool | None:
             conn.execute("COMMIT")
             return True
         done_through, other, until = row
-        now = time.time()
-        if other not in (None, holder) and until is not None and until > now:
+        if _held_by_another((other, until), holder):
             conn.execute("COMMIT")
             return None
+        now = time.time()
         upto, count = conn.execute(_CHUNK_END, (done_through, rows)).fetchone()
-        last = count < rows
-        for statement in _FILL:
-            conn.execute(statement, (done_through, None if last else upto))
+        last = count < rows  # in this transaction, no key after `upto` can appear
+        if count:
+            for statement in _FILL:
+                conn.execute(statement, (done_through, upto))
         if last:
             conn.execute(f"DELETE FROM {BACKFILL}")
         else:
@@ -342,6 +368,16 @@ def backfill(conn: sqlite3.Connection, holder: str, rows: int) -> bool | None:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+
+
+_LEASE = f"SELECT holder, held_until FROM {BACKFILL}"
+
+
+def _held_by_another(lease: tuple[str | None, float | None] | None, holder: str) -> bool:
+    if lease is None:
+        return False
+    other, until = lease
+    return other not in (None, holder) and until is not None and until > time.time()
 
 
 def progress(conn: sqlite3.Connection) -> str | None:

@@ -19,8 +19,10 @@ Which index (`_indexes` has the tables), first that applies:
    records read directly, as a scan reads them.
 5. a prefix naming one kind of document (`crewai-idempotent/approval/`): the documents'
    (kind, updated_at).
-6. anything else: the time table, (status, updated_at, key): one status's range, or the
-   four statuses' ranges merged (`heapq.merge`, each read a window at a time).
+6. anything else: per status, merged across statuses (`heapq.merge`, each read a window
+   at a time): COMMITTED and FAILED from the time table (status, updated_at, key), PENDING
+   and UNCERTAIN (the few in flight or waiting for a person, which a claim adds to no
+   table) from the status index, sorted by SQLite in a time order.
 
 An index that does not give the select's order (the key order from a time index, any
 order from the expiry table) is sorted by SQLite, a window of `WINDOW` entries per
@@ -188,10 +190,15 @@ class Query:
             source = f"{ix.DOCS} INDEXED BY {ix.DOCS_KIND_TIME}"
             return self._stream(source, ["kind = ?"], [kind], exact=timed)
         statuses = _STATUSES if q.status is None else (q.status,)
-        return self._merge(
-            self._stream(ix.TIME, ["status = ?"], [status.value], exact=timed)
-            for status in statuses
-        )
+        return self._merge(self._by_status(status, timed) for status in statuses)
+
+    def _by_status(self, status: Status, timed: bool) -> Iterator[Candidate]:
+        """One status's records: a settled status from the time table, one in flight
+        (PENDING, UNCERTAIN: few) from the status index, sorted by SQLite in a time order."""
+        if status.value in ix.SETTLED:
+            return self._stream(ix.TIME, ["status = ?"], [status.value], exact=timed)
+        source = "idempotency_records INDEXED BY idempotency_records_status"
+        return self._stream(source, ["status = ?"], [status.value], exact=not timed)
 
     def _documents(self) -> Iterator[Candidate]:
         """Documents by state or subject: one stream for the value, one for the entries

@@ -99,6 +99,7 @@ _watchers = itertools.count(1)
 _CHUNK_S = 0.02
 _CHUNK_ROWS = (50, 200, 5000)  # least, first, most records per chunk
 _PAUSE_S = 0.01
+_WAIT_S = 2.0  # between looks at a backfill another process holds (a read each)
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -810,7 +811,7 @@ def _pause_after(done: bool | None, took: float) -> float:
     """How long a builder lets go of the lock after a chunk that held it `took` seconds
     (twice that); after finding another process at the work (`done` None), how long until
     it looks again."""
-    return 1.0 if done is None else max(2 * took, _PAUSE_S)
+    return _WAIT_S if done is None else max(2 * took, _PAUSE_S)
 
 
 def _claim(conn: sqlite3.Connection, params: tuple[Any, ...]) -> str | None:
