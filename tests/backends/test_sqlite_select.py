@@ -504,6 +504,51 @@ def test_random_writes_by_both_releases_keep_every_select_right(tmp_path: Path) 
         backend.close()
 
 
+def test_pages_read_while_others_write_yield_each_steady_record_once(tmp_path: Path) -> None:
+    """Threads claim and commit new keys (their records land among the pages' entries)
+    while a reader pages through every order: each record that stays as it was is
+    yielded exactly once, in order, whatever was written meanwhile."""
+    path = tmp_path / "ledger.db"
+    backend = SQLiteCacheBackend(path, synchronous="NORMAL")
+    steady = [record(f"steady:{i:04d}", at=T0 + i) for i in range(600)]
+    for r in steady:
+        backend.insert(r)
+    stop = threading.Event()
+
+    def write(n: int) -> None:
+        other = SQLiteCacheBackend(path, synchronous="NORMAL")
+        ledger = Ledger(other)
+        for i in range(400):  # bounded: an oldest-first reader must reach the end
+            if stop.is_set():
+                break
+            ledger.run(f"new:{n}:{i}", lambda: "ok")
+        other.close()
+
+    writers = [threading.Thread(target=write, args=(n,)) for n in range(2)]
+    for w in writers:
+        w.start()
+    try:
+        for order in Order:
+            query = Select(status=Status.COMMITTED, order=order, limit=37)
+            seen: list[Record] = []
+            while True:
+                page = list(backend.select(query))
+                seen += page
+                if len(page) < 37:
+                    break
+                query = query.page_after(page[-1])
+            mine = [r.key for r in seen if r.key.startswith("steady:")]
+            assert sorted(mine) == [r.key for r in steady], order
+            positions = [query.position(r) for r in seen]
+            ordered = sorted(positions, reverse=order is Order.NEWEST)
+            assert positions == ordered and len(set(positions)) == len(positions), order
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+        backend.close()
+
+
 # -- what SQLite is asked ---------------------------------------------------------------
 
 
