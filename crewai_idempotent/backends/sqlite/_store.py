@@ -13,8 +13,12 @@ statements because they share the backend's state: every operation passes all th
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import os
 import random
+import secrets
+import socket
 import sqlite3
 import threading
 import time
@@ -31,11 +35,14 @@ from ...ledger._backend import CacheBackend, prefix_end
 from ...ledger._fork import unforked
 from ...ledger._hostclock import this_host
 from ...ledger._record import Peek, Record, Status, read_peek, read_record
+from ...ledger._select import Select
 from .._options import flag, local_options, seconds, with_options
 from .._paths import check_existing_file, private_file
 from .._scan import BATCH, ScanCounter, ScanStats
+from . import _indexes
 from ._fork import Gate, refusal_message, taint, tainted
 from ._group import Group
+from ._query import Query
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")
@@ -81,6 +88,21 @@ _SCANS = {
 # The slots of a thread's connections (`_ready`).
 _PLAIN, _CLAIM = "conn", "claim_conn"
 
+# Each connection opened to ask `PRAGMA data_version` (`changes()`) gets a number of its
+# own: a mark read on one never equals one read on another, whose versions count anew.
+_watchers = itertools.count(1)
+
+# The backfill of the index tables (`_indexes.backfill`): the write lock is held for one
+# chunk at a time, sized to take about `_CHUNK_S`, and let go for at least twice that
+# before the next, so a claim waits one chunk at most and the building takes a third of
+# the lock's time.
+_CHUNK_S = 0.02
+_CHUNK_ROWS = (50, 200, 5000)  # least, first, most records per chunk
+_PAUSE_S = 0.01
+_WAIT_S = 2.0  # between looks at a backfill another process holds (a read each)
+
+log = logging.getLogger("crewai_idempotent")
+
 # Every backend of this process, so that one opening a file can tell that another object
 # holds connections to it inherited through a fork that skipped the hooks.
 _backends: weakref.WeakSet[SQLiteCacheBackend] = weakref.WeakSet()
@@ -114,7 +136,10 @@ class SQLiteCacheBackend(CacheBackend):
     backend is open. Safe across fork(): see the module docstring.
 
     `path` is the ledger file; `busy_timeout_s` how long a write waits for another
-    process's write lock before `LedgerUnavailable`. Raises `ValueError` for an unknown
+    process's write lock before `LedgerUnavailable`. A ledger an older release made gets
+    the index tables behind `select` when this opens it, and a thread fills them with its
+    records in short chunks (`build_indexes`); `background_indexing=False` leaves that to
+    an explicit `build_indexes()` (a deploy step). Raises `ValueError` for an unknown
     `synchronous`, `LedgerConfigurationError` for a path that cannot hold a ledger (a
     missing folder, one another user may write to, a symlink) and `LedgerUnavailable`
     for a file that cannot be opened or is not a ledger.
@@ -130,6 +155,7 @@ class SQLiteCacheBackend(CacheBackend):
         busy_timeout_s: float = 5.0,
         allow_insecure_path: bool = False,
         create_parents: bool = False,
+        background_indexing: bool = True,
     ) -> None:
         synchronous = synchronous.upper()
         if synchronous not in ("FULL", "NORMAL", "EXTRA", "CLAIMS"):
@@ -169,6 +195,19 @@ class SQLiteCacheBackend(CacheBackend):
         self._quiesced = False
         self._closed = False
         self._scans = ScanCounter()
+        # The index tables (`_indexes`): True once complete (they stay so), and the thread
+        # of this process that fills them meanwhile.
+        self._indexes_complete = False
+        self.background_indexing = background_indexing
+        self._builder: threading.Thread | None = None
+        self._stop_building = threading.Event()
+        self._building_lock = threading.Lock()
+        self._chunk_rows = _CHUNK_ROWS[1]
+        self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # The connection that only asks PRAGMA data_version (`changes()`), and its number.
+        self._watch: sqlite3.Connection | None = None
+        self._watch_id = 0
+        self._watch_lock = threading.Lock()
         _backends.add(self)
         _fork.register(self)
 
@@ -178,7 +217,11 @@ class SQLiteCacheBackend(CacheBackend):
     @property
     def url(self) -> str:
         """The URL that names this ledger (for messages and the CLI's --ledger)."""
-        options = {"allow_insecure_path": True} if self.allow_insecure_path else {}
+        options: dict[str, Any] = {}
+        if self.allow_insecure_path:
+            options["allow_insecure_path"] = True
+        if not self.background_indexing:
+            options["background_indexing"] = False
         return with_options(sqlite_url(self.path), options)
 
     # -- URL (SQLAlchemy's convention) ---------------------------------------------------
@@ -187,7 +230,7 @@ class SQLiteCacheBackend(CacheBackend):
     def from_url(cls, url: str) -> Self:
         """`sqlite:///relative.db` (relative to the current directory, made absolute now),
         `sqlite:////abs/ledger.db`, with the options `synchronous`, `busy_timeout_s`,
-        `allow_insecure_path` and `create_parents`; anything else is a
+        `allow_insecure_path`, `create_parents` and `background_indexing`; anything else is a
         `LedgerConfigurationError`, as is a `url` that does not name a file. Raises what
         the constructor raises."""
         options = local_options(url, _URL_OPTIONS, "sqlite")
@@ -294,6 +337,14 @@ class SQLiteCacheBackend(CacheBackend):
         self._gate = Gate()
         self._group = None if self._group is None else Group(self.busy_timeout_s)
         self._pid = os.getpid()
+        # The parent's builder thread did not cross the fork: this process starts its own
+        # when it opens the file, if the index tables are still being filled.
+        self._builder = None
+        self._stop_building = threading.Event()
+        self._building_lock = threading.Lock()
+        self._watch_lock = threading.Lock()
+        self._watch = None
+        self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
     # -- connections -------------------------------------------------------------------
 
@@ -301,6 +352,15 @@ class SQLiteCacheBackend(CacheBackend):
         """This thread's connection in `slot` for one operation, which the caller runs
         inside the fork gate: once this is still the process the backend's connections
         belong to, and the file at the path still the one opened."""
+        self._check_file()
+        conn: sqlite3.Connection | None = getattr(self._local, slot, None)
+        if conn is None:
+            conn = self._connect(slot, self._syncs[slot])
+        return conn
+
+    def _check_file(self) -> None:
+        """Still the process the backend's connections belong to, and the file at the
+        path still the one opened."""
         # `unforked` is a byte in memory the kernel zeroes in a forked child: only then is
         # the pid (a system call) worth asking (`_fork._fork_marker`).
         if not unforked[0] and self._pid != os.getpid():
@@ -313,19 +373,20 @@ class SQLiteCacheBackend(CacheBackend):
             raise LedgerUnavailable(self._deleted()) from None
         if st.st_ino != self._ino or st.st_dev != self._dev:
             raise LedgerUnavailable(self._replaced(st.st_ino))
-        conn: sqlite3.Connection | None = getattr(self._local, slot, None)
-        if conn is None:
-            conn = self._connect(slot, self._syncs[slot])
-        return conn
 
     def _connect(self, slot: str, synchronous: str) -> sqlite3.Connection:
+        conn = self._tracked(synchronous)
+        setattr(self._local, slot, conn)
+        return conn
+
+    def _tracked(self, synchronous: str) -> sqlite3.Connection:
+        """A new connection, in the list that close() and the fork hooks close."""
         if self._closed:
             raise LedgerUnavailable(f"the ledger {self.url} is closed")
         why = tainted(self._identity) or _inherited_without_hook(self._identity)
         if why is not None:
             raise LedgerUnavailable(refusal_message(self.path, why))
         conn = self._open(synchronous)
-        setattr(self._local, slot, conn)
         with self._lock:
             self._connections.append(conn)
         return conn
@@ -352,6 +413,8 @@ class SQLiteCacheBackend(CacheBackend):
             self._retry_busy(self._use_wal, conn)
             conn.execute(f"PRAGMA synchronous = {synchronous}")
             self._retry_busy(self._migrate, conn)
+            if not self._indexes_complete:
+                self._upgrade(conn)
             # SQLite opened (or created) the -wal and -shm by now: one planted by another
             # user between the check above and the open is caught here.
             self._check_sidecars()
@@ -409,6 +472,23 @@ class SQLiteCacheBackend(CacheBackend):
                 conn.execute("ROLLBACK")
             raise
 
+    def _upgrade(self, conn: sqlite3.Connection) -> None:
+        """Make the index tables if they are missing (`_indexes.install`: no longer than
+        making empty tables), and start filling them in the background if they are not
+        complete. A ledger this process cannot write (a read-only file) keeps its listings
+        on the primary key; so does one whose lock stays taken past the busy timeout,
+        until a later connection tries again."""
+        try:
+            self._retry_busy(_indexes.install, conn)
+            complete = _indexes.ready(conn)
+        except sqlite3.Error as exc:
+            log.debug("ledger %s: the index tables are not made now: %s", self.path, exc)
+            return
+        if complete:
+            self._indexes_complete = True
+        elif self.background_indexing:
+            self._start_building()
+
     def _guard(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(connection, *args)` as one operation: inside the fork gate, on this
         thread's connection, after checking the process and the file (`_ready`). SQLite's
@@ -443,6 +523,7 @@ class SQLiteCacheBackend(CacheBackend):
         with self._lock:
             connections, self._connections = self._connections, []
         self._local = threading.local()
+        self._watch = None
         if close:
             for conn in connections:
                 with contextlib.suppress(sqlite3.Error):
@@ -570,10 +651,130 @@ class SQLiteCacheBackend(CacheBackend):
     def delete(self, current: Record) -> bool:
         return self._guard(_changed, _DELETE, (current.key, current.token, current.revision))
 
+    # -- listings: the index tables (`_indexes`) and `Select` (`_query`) ------------------
+
+    def select(self, query: Select) -> Iterator[Record]:
+        """The records `query` selects, answered from the index tables (`_query` says
+        which serves which select); while they are still being filled, from the primary
+        key or the status index, filtered. Raises what `scan` raises, while iterated."""
+        return self._select(query)
+
+    def _select(self, query: Select) -> Iterator[Record]:
+        plan = Query(query, self._fetch, self._scans.read, self._where)
+        records = plan.indexed() if self.indexes_ready() else plan.unindexed()
+        yield from records
+
+    def _fetch(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        return self._guard(_fetch_all, sql, params)
+
+    def indexes_ready(self) -> bool:
+        """True when the index tables behind `select` hold every record, so a listing
+        reads what it finds; False while an upgraded ledger's records are still being
+        added to them (a listing then reads the primary key or the status index, as a
+        scan does: slower, never wrong). `build_indexes()` finishes the work now. Raises
+        `LedgerUnavailable` if the ledger cannot be read."""
+        if not self._indexes_complete and self._guard(_indexes.ready):
+            self._indexes_complete = True
+        return self._indexes_complete
+
+    def build_indexes(self, timeout_s: float | None = None) -> bool:
+        """Fill the index tables of a ledger an older release made, in this thread, until
+        they are complete or `timeout_s` seconds have passed (None: until complete); True
+        once complete. What a process does in the background anyway, a chunk of records
+        per short write transaction with pauses between (claims go on meanwhile, waiting
+        for one chunk at most); another process already at it is waited for. Safe to call
+        from many processes at once. Raises `ValueError` for a negative `timeout_s` and
+        `LedgerUnavailable` if the ledger cannot be read or written."""
+        if timeout_s is not None and not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be a number of seconds, 0 or more, not {timeout_s!r}")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.indexes_ready():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            pause = _pause_after(*self._build_chunk())
+            if deadline is not None:
+                pause = min(pause, max(deadline - time.monotonic(), 0.0))
+            time.sleep(pause)
+        return True
+
+    def _build_chunk(self) -> tuple[bool | None, float]:
+        """One chunk of the backfill (`_indexes.backfill`); what it returned and how long
+        it held the write lock. The chunk's size follows its time."""
+        rows = self._chunk_rows
+        started = time.monotonic()
+        done = self._guard(_indexes.backfill, self._holder, rows)
+        took = time.monotonic() - started
+        if done is False:
+            least, _, most = _CHUNK_ROWS
+            scaled = int(rows * _CHUNK_S / max(took, 1e-4))
+            self._chunk_rows = max(least, min(most, scaled, rows * 2))
+        if done:
+            self._indexes_complete = True
+        return done, took
+
+    def _start_building(self) -> None:
+        with self._building_lock:
+            if self._builder is not None and self._builder.is_alive():
+                return
+            if self._closed:
+                return
+            self._builder = threading.Thread(
+                target=self._build_in_background,
+                args=(self._stop_building,),
+                name=f"crewai-idempotent index build {self.path.name}",
+                daemon=True,
+            )
+            self._builder.start()
+
+    def _build_in_background(self, stop: threading.Event) -> None:
+        """The builder thread: chunks with pauses until the tables are complete, the
+        backend closes, or the ledger cannot be used (a later connection starts again)."""
+        failures = 0
+        while not stop.is_set() and not self._closed:
+            try:
+                done, took = self._build_chunk()
+            except LedgerUnavailable as exc:
+                failures += 1
+                if failures >= 5 or self._closed:
+                    log.debug("ledger %s: index build stopped: %s", self.path, exc)
+                    return
+                stop.wait(self.busy_timeout_s)
+                continue
+            failures = 0
+            if done:
+                log.debug("ledger %s: index tables complete", self.path)
+                return
+            stop.wait(_pause_after(done, took))
+
+    # -- changes -------------------------------------------------------------------------
+
+    def changes(self) -> object:
+        """A mark that moves when any connection (any process, this one included, the
+        previous release's too) commits a write to the ledger: `PRAGMA data_version` on a
+        connection kept only for asking it, which reads the WAL index's header, no record.
+        Raises `LedgerUnavailable` if the ledger cannot be opened."""
+        gate = self._gate
+        gate.enter()
+        try:
+            self._check_file()
+            with self._watch_lock:
+                conn = self._watch
+                if conn is None:
+                    # Never used for a write: its own commits would not move the version.
+                    conn = self._watch = self._tracked("NORMAL")
+                    self._watch_id = next(_watchers)
+                version = conn.execute("PRAGMA data_version").fetchone()[0]
+                return (self._pid, self._watch_id, version)
+        except (sqlite3.Error, OSError) as exc:
+            raise LedgerUnavailable(self._explain(exc)) from exc
+        finally:
+            gate.leave()
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._stop_building.set()
         if self._pid != os.getpid():
             # Inherited without the fork hooks: these connections are the parent's.
             self._forked_without_hook()
@@ -597,12 +798,20 @@ _URL_OPTIONS: dict[str, Callable[[str], Any]] = {
     "busy_timeout_s": seconds,
     "allow_insecure_path": flag,
     "create_parents": flag,
+    "background_indexing": flag,
 }
 
 
 def sqlite_url(path: str | os.PathLike[str]) -> str:
     """The `sqlite:` URL of `path`, made absolute."""
     return "sqlite:///" + quote(str(Path(path).absolute()), safe="/")
+
+
+def _pause_after(done: bool | None, took: float) -> float:
+    """How long a builder lets go of the lock after a chunk that held it `took` seconds
+    (twice that); after finding another process at the work (`done` None), how long until
+    it looks again."""
+    return _WAIT_S if done is None else max(2 * took, _PAUSE_S)
 
 
 def _claim(conn: sqlite3.Connection, params: tuple[Any, ...]) -> str | None:
