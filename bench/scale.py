@@ -124,11 +124,29 @@ class Results:
         node[str(where[-1])] = value
         self.save()
 
+    def merge(self, *where_and_value: Any) -> None:
+        """`put`, keeping what the value does not say (a plain run's figures beside a
+        traced run's)."""
+        *where, value = where_and_value
+        node = self.data
+        for name in where:
+            node = node.setdefault(str(name), {})
+        _deep_merge(node, value)
+        self.save()
+
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_suffix(".tmp")
         partial.write_text(json.dumps(self.data, indent=1, default=str))
         partial.replace(self.path)
+
+
+def _deep_merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for name, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(name), dict):
+            _deep_merge(into[name], value)
+        else:
+            into[name] = value
 
 
 def machine() -> dict[str, Any]:
@@ -260,7 +278,7 @@ def _run_size(
                     plain="memory" in wanted,
                 ),
             )
-            results.put("sizes", kind, size, "memory", found)
+            results.merge("sizes", kind, size, "memory", found)
 
 
 def command_workers(options: argparse.Namespace, results: Results) -> None:
@@ -594,10 +612,11 @@ def _purge_table(data: dict[str, Any]) -> list[str]:
             ok = (
                 None
                 if kind == "redis" or ratio is None
-                else ratio <= PURGE_P99 and not (during.get("failed"))
+                else ratio <= PURGE_P99
+                and not (during.get("failed") or figure["purge"].get("exit"))
             )
             rows.append(
-                f"| {NAMES[kind]} | {figure['purge'].get('said', '')} | "
+                f"| {NAMES[kind]} | {_said(figure['purge'])} | "
                 f"{_seconds(figure['purge_s'])} | "
                 f"{_ms(quiet['p50_ms'])} / {_ms(quiet['p99_ms'])} ({_claims(quiet)}) | "
                 f"{_ms(during['p50_ms'])} / {_ms(during['p99_ms'])} ({_claims(during)}) | "
@@ -615,6 +634,14 @@ def _purge_table(data: dict[str, Any]) -> list[str]:
         *rows,
         "",
     ]
+
+
+def _said(run: dict[str, Any]) -> str:
+    """What a command printed last, or why it stopped."""
+    if run.get("exit") in (0, None):
+        return str(run.get("said", ""))
+    lines = str(run.get("stderr", "")).strip().splitlines()
+    return f"**exit {run['exit']}**: " + (lines[-1][:200] if lines else "")
 
 
 def _claims(phase: dict[str, Any]) -> str:

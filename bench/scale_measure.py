@@ -109,7 +109,7 @@ def run_cli(
         lines = done.stdout.decode(errors="replace").splitlines()
         figures["lines"] = len(lines)
         figures["said"] = (lines[-1] if lines else "")[:160]
-    if done.returncode not in (0, 1) or "error" in figures:
+    if done.returncode != 0 or "error" in figures:
         figures["stderr"] = done.stderr.decode(errors="replace")[-1000:]
     return figures
 
