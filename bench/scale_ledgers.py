@@ -802,7 +802,7 @@ class RedisLedgers(Ledgers):
         left out) and keys they looked up (hits + misses)."""
         import redis
 
-        client = redis.Redis.from_url(url)
+        client = redis.Redis.from_url(url.split("?", 1)[0])
         stats = client.info("commandstats")
         keys = client.info("stats")
         client.close()
@@ -857,7 +857,7 @@ def load_redis(url: str, shape: Shape, pipelined: bool = True) -> dict[str, Any]
         backend.close()
     import redis
 
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url.split("?", 1)[0])
     keys = int(client.dbsize())
     client.close()
     return _facts(shape, keys, timings, 0)
