@@ -112,9 +112,13 @@ class Results:
             "commit": _git("rev-parse", "--short", "HEAD"),
             "dirty": bool(_git("status", "--porcelain", "--", "crewai_idempotent")),
         }
-        self.data["machine"] = machine()
+        self.data.setdefault("machine", machine())
         for part in ("versions", "ledgers", "sizes", "purge", "workers"):
             self.data.setdefault(part, {})
+
+    def ran(self) -> None:
+        """Say that figures are being measured now: the machine, its load, the date."""
+        self.data["machine"] = machine()
 
     def put(self, *where_and_value: Any) -> None:
         *where, value = where_and_value
@@ -314,7 +318,10 @@ def _server_versions(urls: dict[str, str]) -> dict[str, str]:
 
 
 def command_report(options: argparse.Namespace, results: Results) -> None:
-    text = report(results.data)
+    data = results.data
+    if options.backends:
+        data = _only(data, set(options.backends))
+    text = report(data)
     print(text)
     if options.write_docs:
         write_docs(text)
@@ -684,6 +691,15 @@ def _worker_table(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _only(data: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
+    """The figures of these backends (the many-workers runs by their server's kind)."""
+    kept = dict(data)
+    for part in ("ledgers", "sizes", "purge", "workers"):
+        kept[part] = {k: v for k, v in data.get(part, {}).items() if k.split("-")[0] in kinds}
+    kept["versions"] = {k: v for k, v in data.get("versions", {}).items() if k in kinds}
+    return kept
+
+
 def write_docs(text: str) -> None:
     """Put `text` between the markers of docs/benchmarks.md (after its scale section's
     prose), leaving everything else as it is."""
@@ -764,6 +780,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     workers.add_argument("--redis-fsync", choices=("everysec", "always"), default="everysec")
     report_ = commands.add_parser("report", parents=[common], help="the tables")
     report_.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        default=None,
+        help="only these backends' figures (default: all in the results)",
+    )
+    report_.add_argument(
         "--write-docs",
         action="store_true",
         help="replace the generated block of docs/benchmarks.md",
@@ -782,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     options = parse(argv)
     path = options.results or options.cache / "results" / f"{code_digest()}.json"
     results = Results(path)
+    if options.command in ("load", "run", "workers"):
+        results.ran()
     {
         "load": command_load,
         "run": command_run,
