@@ -587,6 +587,7 @@ class PostgresLedgers(Ledgers):
         root.chmod(0o700)
         self.server.root, self.server.data = root, root / "data"
         self.server.log = root / "server.log"
+        self.server.stop()  # one an interrupted run left running
         self.server.start()
         self.server.sql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
 
