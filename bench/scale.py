@@ -321,6 +321,8 @@ def command_report(options: argparse.Namespace, results: Results) -> None:
     data = results.data
     if options.backends:
         data = _only(data, set(options.backends))
+    if options.sizes:
+        data = _sizes_only(data, set(options.sizes))
     text = report(data)
     print(text)
     if options.write_docs:
@@ -545,7 +547,7 @@ def _idle_table(data: dict[str, Any]) -> list[str]:
             rows.append(
                 f"| {NAMES[kind]} | {_label(size)} | {read} | {server} | "
                 f"{figure['cpu_s'] * minute:.2f} s | "
-                f"{'never' if heard is None else _seconds(heard)} | {_verdict(ok)} |"
+                f"{_heard(heard, figure.get('update_wait_s', 30.0))} | {_verdict(ok)} |"
             )
     if not rows:
         return []
@@ -559,6 +561,10 @@ def _idle_table(data: dict[str, Any]) -> list[str]:
         *rows,
         "",
     ]
+
+
+def _heard(heard: float | None, waited: float) -> str:
+    return f"not within {_seconds(waited)}" if heard is None else _seconds(heard)
 
 
 def _memory_table(data: dict[str, Any]) -> list[str]:
@@ -700,6 +706,26 @@ def _only(data: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
     return kept
 
 
+def _sizes_only(data: dict[str, Any], sizes: set[int]) -> dict[str, Any]:
+    """The figures of ledgers of these sizes (purge ledgers by the receipts they purge)."""
+    kept = dict(data)
+    kept["sizes"] = {
+        kind: {s: v for s, v in found.items() if int(s) in sizes}
+        for kind, found in data.get("sizes", {}).items()
+    }
+    kept["purge"] = {
+        kind: {s: v for s, v in found.items() if int(s) in sizes}
+        for kind, found in data.get("purge", {}).items()
+    }
+    kept["ledgers"] = {
+        kind: {
+            label: facts for label, facts in found.items() if facts["shape"]["receipts"] in sizes
+        }
+        for kind, found in data.get("ledgers", {}).items()
+    }
+    return kept
+
+
 def write_docs(text: str) -> None:
     """Put `text` between the markers of docs/benchmarks.md (after its scale section's
     prose), leaving everything else as it is."""
@@ -787,6 +813,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="only these backends' figures (default: all in the results)",
     )
     report_.add_argument(
+        "--sizes",
+        nargs="+",
+        type=int,
+        default=None,
+        help="only ledgers of these sizes (default: all in the results)",
+    )
+    report_.add_argument(
         "--write-docs",
         action="store_true",
         help="replace the generated block of docs/benchmarks.md",
@@ -796,7 +829,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     options = parser.parse_args(argv)
     if getattr(options, "sizes", None):
         options.sizes = sorted(set(options.sizes))
-        if options.purge_size is None:
+        if getattr(options, "purge_size", 0) is None:
             options.purge_size = options.sizes[-1]
     return options
 
