@@ -775,7 +775,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--purge-size",
         type=int,
         default=None,
-        help="expired receipts of the purge ledger (default: the largest size)",
+        help="expired receipts of the purge ledger (default: the largest size, at most "
+        "1000000, the issue's purge of 1M)",
     )
 
     load = commands.add_parser("load", parents=[common, stores], help="build the ledgers")
@@ -830,7 +831,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if getattr(options, "sizes", None):
         options.sizes = sorted(set(options.sizes))
         if getattr(options, "purge_size", 0) is None:
-            options.purge_size = options.sizes[-1]
+            options.purge_size = min(options.sizes[-1], 1_000_000)
     return options
 
 
