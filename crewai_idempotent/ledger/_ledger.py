@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -585,9 +586,22 @@ class Ledger(_Machine):
             for record in streamed(self.backend, query):
                 if expired_only and not record.expired(now, self._host):
                     continue
-                if self._drive(self._delete(record)):
+                if self._delete_yielding(record):
                     removed += 1
         return removed
+
+    def _delete_yielding(self, record: Record) -> bool:
+        """Delete `record` for a purge, asking again after a pause when the store says it
+        is unavailable: under a stream of claims SQLite's write lock can stay taken past a
+        busy timeout, and a purge is what should wait, not stop half-way."""
+        for attempt in range(_PURGE_TRIES):
+            try:
+                return bool(self._drive(self._delete(record)))
+            except LedgerUnavailable:
+                if attempt == _PURGE_TRIES - 1:
+                    raise
+                time.sleep(_PURGE_PAUSE_S * 2**attempt * random.uniform(0.5, 1.0))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def close(self) -> None:
         """Stop this ledger's thread pools and close its backend. Raises nothing."""
@@ -856,6 +870,12 @@ def _observe(task: asyncio.Future[Any]) -> None:
     # A commit outlives a cancelled caller; its failure is logged where it happens.
     if not task.cancelled() and task.exception() is not None:
         log.debug("ledger write finished after its caller left", exc_info=task.exception())
+
+
+#: How often a purge asks a store that said it is unavailable to delete one record, and
+#: its first pause (doubled each time): about 6 s of patience beside a 5 s busy timeout.
+_PURGE_TRIES = 6
+_PURGE_PAUSE_S = 0.2
 
 
 def streamed(backend: CacheBackend, query: Select) -> Iterator[Record]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from crewai_idempotent import Record, SQLiteCacheBackend, Status
+from crewai_idempotent import Ledger, Record, SQLiteCacheBackend, Status
 from crewai_idempotent.backends._scan import BATCH
 from crewai_idempotent.cli import _ledger as cli_ledger
 from crewai_idempotent.cli import main
@@ -98,3 +98,38 @@ def test_ls_lists_oldest_update_first_though_the_store_scans_by_key(ledger_url: 
     assert done.exit_code == 0, done.output
     keys = [row["key"] for row in json.loads(done.output)]
     assert keys == [f"order:{i:05d}" for i in (5, 4, 3, 2, 1)]
+
+
+def test_a_purge_waits_out_a_store_busy_with_claims_instead_of_stopping_half_way() -> None:
+    """SQLite's write lock taken past its busy timeout by a stream of claims: the purge
+    asks again after a pause and deletes every expired receipt; a store that stays
+    unavailable still stops it with the store's error."""
+    from crewai_idempotent import InMemoryCacheBackend, LedgerUnavailable
+
+    class Busy(InMemoryCacheBackend):
+        def __init__(self, refusals: int) -> None:
+            super().__init__()
+            self.refusals = refusals
+            self.host_clock = None  # expiry judged by now() alone, which the test moves
+
+        def delete(self, current: Record) -> bool:
+            if self.refusals:
+                self.refusals -= 1
+                raise LedgerUnavailable("the database stayed locked past the busy timeout")
+            return super().delete(current)
+
+    for refusals, purged in ((3, 4), (100, None)):
+        backend = Busy(0)
+        ledger = Ledger(backend, ttl=1)
+        clock = backend.now()
+        for i in range(4):
+            ledger.run(f"pay:{i}", lambda: "ok")
+        backend.refusals = refusals
+        later = clock + 10
+        backend.now = lambda later=later: later  # type: ignore[method-assign]
+        if purged is None:
+            with pytest.raises(LedgerUnavailable):
+                ledger.purge()
+        else:
+            assert ledger.purge() == purged
+        ledger.close()
