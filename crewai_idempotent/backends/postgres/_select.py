@@ -16,8 +16,11 @@ database's collation orders text as bytes (C, POSIX); the partial indexes' other
 Every batch starts after the last row of the one before (keyset), so a batch costs a
 batch, however deep the page. The rows come back as written; the reader checks each
 against the `Select` (`Select.matches`), which drops what an index over-included (model
-content that looks like a field), and is what filters when the functions do not exist
-yet (a table being upgraded).
+content that looks like a field). A field whose index is not there yet (a table being
+upgraded) is left out of the statement and filtered by that check alone: every statement
+still reads at most a batch of the index that drives it, rather than the whole table in
+one statement (which could outlast the statement timeout), and the select costs a read of
+what the rest of it selects.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import pydantic_core
 from ...ledger._backend import DOCUMENTS, prefix_end
 from ...ledger._select import Order, Position, Select
 from ._schema import Statements
-from ._upgrade import DOCUMENTS_ONLY, NEEDS_OPERATOR, STATUSES, Objects
+from ._upgrade import DOCUMENTS_ONLY, NEEDS_OPERATOR, STATUSES, Found, Objects
 
 _COLUMNS = "key, doc, updated_at"
 
@@ -45,27 +48,38 @@ class Plan:
     `size` rows after the position `after` (None: from the start)."""
 
     def __init__(
-        self, sql: Statements, objects: Objects | None, bytewise: bool, query: Select
+        self, sql: Statements, objects: Objects | None, found: Found | None, query: Select
     ) -> None:
         self.query = query
         self.table = sql.table
+        valid = found.valid if found is not None else frozenset()
+        functions = objects is not None and found is not None and found.has_functions
+
+        def indexed(kind: str) -> bool:
+            # A field goes into the statement only when its index is there: without it,
+            # the condition would read every row in one statement (past the statement
+            # timeout on a big table), where the reader's check of each batch's rows
+            # keeps every statement to a batch.
+            return f"{sql.base}_{kind}" in valid and (functions or kind == "flagged")
+
         where: list[str] = []
         params: list[Any] = []
         status = query.status
         if query.expired_by is not None:
             where.append("status = 'COMMITTED'")
-            if objects is not None:
+            if objects is not None and indexed("expiry"):
                 where.append(f"{objects.expires} <= %s")
                 params.append(float(query.expired_by))
         if status is not None:
             where.append("status = %s")
             params.append(status.value)
-        if query.needs_operator:
+        flagged = query.needs_operator and indexed("flagged")
+        if flagged:
             where.append(NEEDS_OPERATOR)
         documents = query.prefix.startswith(DOCUMENTS)
         # A partial index in code point order (text_pattern_ops) drives these; others go
         # by the primary key, which is in code point order only under a bytewise collation.
-        self.pattern = documents or query.needs_operator or not bytewise
+        self.pattern = documents or flagged or found is None or not found.bytewise
         if query.prefix:
             if documents:
                 where.append(DOCUMENTS_ONLY.replace("%", "%%"))
@@ -84,7 +98,7 @@ class Plan:
             params.append(float(query.updated_before))
         if objects is not None:
             for name, value in (("state", query.state), ("subject", query.subject)):
-                if value is not None:
+                if value is not None and indexed(name):
                     where.append(f"{getattr(objects, name)} = %s")
                     params.append(json_text(value))
         timed = query.order is not Order.KEY
@@ -101,11 +115,7 @@ class Plan:
         # A time order over every status merges the statuses' own ordered indexes, unless
         # something narrower drives it (expiry: one status; the flag; the documents).
         self.merge = (
-            timed
-            and status is None
-            and query.expired_by is None
-            and not query.needs_operator
-            and not documents
+            timed and status is None and query.expired_by is None and not flagged and not documents
         )
         if query.order is Order.KEY:
             self.order = "key USING ~<~" if self.pattern else "key"

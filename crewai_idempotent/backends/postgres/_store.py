@@ -110,6 +110,12 @@ class PostgresCacheBackend(CacheBackend):
     `clock_refresh_s` is how often the server's clock is read again (leases and TTLs are
     judged by it).
 
+    A table made by an earlier version lacks the indexes this version's listings read by
+    and the trigger behind `changes()`: with `build_in_background` (the default) the
+    first use starts building them in a thread, on a connection of its own, without
+    blocking claims (`build_indexes()`); without it, they wait for `build_indexes()`.
+    `indexes_ready()` says whether they are there.
+
     Raises `ValueError` for a duration or size out of range and `TypeError` for a
     `dsn_or_pool` that is neither; nothing is connected until first use (or
     `check_reachable()`).
@@ -128,6 +134,7 @@ class PostgresCacheBackend(CacheBackend):
         statement_timeout_s: float = 10.0,
         clock_refresh_s: float = 60.0,
         check_durability: bool = True,
+        build_in_background: bool = True,
     ) -> None:
         for name, value in (
             ("timeout_s", timeout_s),
@@ -164,6 +171,7 @@ class PostgresCacheBackend(CacheBackend):
         self.where = _describe(self._conninfo)
         # Once per backend, not per process: a forked child's server is its parent's.
         self.check_durability = check_durability
+        self.build_in_background = build_in_background
         self._durability_checked = not check_durability
         self._clock = ServerClock("PostgreSQL", self._read_clock, clock_refresh_s)
         self._closed = False
@@ -501,7 +509,12 @@ class PostgresCacheBackend(CacheBackend):
             if not conn.autocommit:
                 conn.commit()
             self._note(found)
-            if found is not None and not self._ready(found) and not self._closed:
+            if (
+                found is not None
+                and not self._ready(found)
+                and self.build_in_background
+                and not self._closed
+            ):
                 self._start_building()
             self._schema_ready = True
             if not self._durability_checked:
@@ -678,8 +691,7 @@ class PostgresCacheBackend(CacheBackend):
 
     def _select_batches(self, query: Select) -> Iterator[Record]:
         found = self._upgrade_state()
-        objects = self._objects if found is not None and found.has_functions else None
-        plan = Plan(self._sql, objects, found is not None and found.bytewise, query)
+        plan = Plan(self._sql, self._objects, found, query)
         limit, after, given = query.limit, query.after, 0
 
         def batch(text: str, params: list[Any]) -> Callable[[psycopg.Connection[Any], bool], Any]:
@@ -733,8 +745,8 @@ class PostgresCacheBackend(CacheBackend):
         trigger behind `changes()`, all valid. A table made by an earlier version gets
         them in the background (`build_indexes`) when this version first opens it: until
         then `select` reads without them (right, slower) and `changes()` is None. Reads
-        the catalog each time until they are ready. Raises `LedgerUnavailable` if the
-        server cannot be asked."""
+        the catalog (one statement) every time. Raises `LedgerUnavailable` if the server
+        cannot be asked."""
         found = self._upgrade_state(refresh=True)
         return found is not None and self._ready(found)
 
@@ -771,10 +783,12 @@ class PostgresCacheBackend(CacheBackend):
 
     def _upgrade_state(self, refresh: bool = False) -> Found | None:
         """What the catalog holds of the table's objects: read again while they are not
-        ready, at most every few seconds (or now, with `refresh`)."""
+        ready, at most every few seconds, or now (`refresh`)."""
         found = self._found
-        if found is not None and (
-            self._ready(found) or (not refresh and time.monotonic() - self._found_at < 5.0)
+        if (
+            found is not None
+            and not refresh
+            and (self._ready(found) or time.monotonic() - self._found_at < 5.0)
         ):
             return found
         asked = time.monotonic()
@@ -970,6 +984,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "statement_timeout_s": float,
     "clock_refresh_s": float,
     "check_durability": flag,
+    "build_in_background": flag,
 }
 _REFUSED = {
     "connect_timeout": "use connect_timeout_s (seconds), which bounds the ledger's own wait too",
