@@ -67,7 +67,6 @@ from ._durability import durability_problems, read_durability
 from ._schema import DEFAULT_TABLE, SCHEMA_VERSION, Statements, check_version, migrate
 from ._select import Plan
 from ._upgrade import (
-    BuildRefused,
     Found,
     Objects,
     build,
@@ -762,7 +761,7 @@ class PostgresCacheBackend(CacheBackend):
         role may not build them (the message holds the statements a table owner runs)."""
         try:
             return self._build_once(threading.Event())
-        except BuildRefused as exc:
+        except pg_errors.InsufficientPrivilege as exc:
             raise LedgerUnavailable(self._refused(exc)) from exc
         except psycopg.Error as exc:
             raise LedgerUnavailable(self._explain(exc, "building the ledger's indexes")) from exc
@@ -820,7 +819,7 @@ class PostgresCacheBackend(CacheBackend):
             try:
                 if self._build_once(stop):
                     return
-            except BuildRefused as exc:
+            except pg_errors.InsufficientPrivilege as exc:
                 log.warning("%s", self._refused(exc))
                 return
             except (psycopg.Error, OSError) as exc:
@@ -853,12 +852,12 @@ class PostgresCacheBackend(CacheBackend):
             # The session's end releases the build lock.
             return found is not None and self._ready(found)
 
-    def _refused(self, exc: BuildRefused) -> str:
+    def _refused(self, exc: psycopg.Error) -> str:
         objects = self._objects
-        statements = statements_for_a_person(objects) if objects is not None else ""
+        statements = "" if objects is None else statements_for_a_person(objects, self._found)
         return (
             f"ledger table {self._sql.label} at {self.where} lacks the indexes this version "
-            f"lists records by, and this role may not build them ({exc}); listings read "
+            f"lists records by, and this role may not build them ({_one_line(exc)}); listings read "
             "without them (slower) and changes() is None. The table's owner builds them "
             f"with:\n{statements}"
         )

@@ -199,6 +199,14 @@ class Objects:
         self.state = f"{self.document_field}(doc, 'state')"
         self.subject = f"{self.document_field}(doc, 'key')"
         self.expires = f"{self.expiry}(doc)"
+        # The planner takes no statistics from a partial index's expression: without
+        # these (PostgreSQL 14 and later) it guesses a third of the receipts expired,
+        # and a purge that finds none reads the table through the primary key.
+        self.statistics_name = f"{sql.base}_expiry_stats"
+        self.create_statistics = (
+            f"CREATE STATISTICS IF NOT EXISTS {ns}.{quote(self.statistics_name)} "
+            f"ON ({self.expires}) FROM {sql.table}"
+        )
         docs = f"WHERE {DOCUMENTS_ONLY}"
         # name -> what follows `ON table`; built in this order (the cheapest first).
         self.indexes: dict[str, str] = {
@@ -283,7 +291,9 @@ class Found:
     triggers: frozenset[str]
     functions: frozenset[str]
     sequence: bool
+    statistics: frozenset[str]
     bytewise: bool  # the key column's collation orders text as bytes (code points)
+    server_version: int
 
     def missing(self, objects: Objects) -> list[str]:
         """What is not there yet, by name (empty: ready)."""
@@ -292,7 +302,13 @@ class Found:
         if not self.sequence:
             wanted.append(objects.sequence_name)
         wanted += [name for name in (TRIGGER, TRUNCATE_TRIGGER) if name not in self.triggers]
+        if self.expression_statistics and objects.statistics_name not in self.statistics:
+            wanted.append(objects.statistics_name)
         return wanted
+
+    @property
+    def expression_statistics(self) -> bool:
+        return self.server_version >= 140000
 
     @property
     def has_functions(self) -> bool:
@@ -318,7 +334,9 @@ SELECT n.nspname,
   EXISTS(SELECT FROM pg_catalog.pg_class s
          WHERE s.relnamespace = c.relnamespace AND s.relname = %(sequence)s
          AND s.relkind = 'S'),
-  ARRAY(SELECT x FROM unnest(%(probe)s::text[]) AS x ORDER BY x)
+  ARRAY(SELECT x FROM unnest(%(probe)s::text[]) AS x ORDER BY x),
+  ARRAY(SELECT e.stxname FROM pg_catalog.pg_statistic_ext e WHERE e.stxrelid = c.oid),
+  pg_catalog.current_setting('server_version_num')::integer
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.oid = pg_catalog.to_regclass(%(table)s)
 """
@@ -338,7 +356,7 @@ def inspect(conn: psycopg.Connection[Any], sql: Statements) -> Found | None:
     ).fetchone()
     if row is None:
         return None
-    namespace, indexes, triggers, functions, sequence, probe = row
+    namespace, indexes, triggers, functions, sequence, probe, statistics, version = row
     return Found(
         namespace=namespace,
         valid=frozenset(name for name in indexes if not name.endswith(" INVALID")),
@@ -348,7 +366,9 @@ def inspect(conn: psycopg.Connection[Any], sql: Statements) -> Found | None:
         triggers=frozenset(triggers),
         functions=frozenset(functions),
         sequence=bool(sequence),
+        statistics=frozenset(statistics),
         bytewise=list(probe) == sorted(_COLLATION_PROBE),
+        server_version=int(version),
     )
 
 
@@ -375,20 +395,22 @@ def _create_functions(conn: psycopg.Connection[Any], objects: Objects) -> None:
 
 def create_with_table(conn: psycopg.Connection[Any], objects: Objects, found: Found) -> None:
     """Everything, in the transaction that created the (empty) table: plain CREATE
-    INDEX, which costs nothing on an empty table."""
-    if not found.has_functions:
-        _create_functions(conn, objects)
-    for statement in objects.mark():
-        conn.execute(statement)
-    for statement in [*objects.triggers(), objects.owned_by()]:
-        conn.execute(statement)
-    for name in objects.indexes:
-        conn.execute(objects.create_index(name, concurrently=False))
-
-
-class BuildRefused(Exception):
-    """The role this backend connects as may not build them (not the table's owner, no
-    CREATE on the schema): a person must, with the statements it names."""
+    INDEX, which costs nothing on an empty table. In a savepoint: if any of it fails
+    (no PL/pgSQL in the database, say), the table is made all the same, and the
+    backend's build says why later."""
+    try:
+        with conn.transaction():
+            if not found.has_functions:
+                _create_functions(conn, objects)
+            for statement in [*objects.mark(), *objects.triggers(), objects.owned_by()]:
+                conn.execute(statement)
+            for name in objects.indexes:
+                conn.execute(objects.create_index(name, concurrently=False))
+            if found.expression_statistics:
+                conn.execute(objects.create_statistics)
+    except psycopg.Error as exc:
+        log.warning("ledger table %s: its listing indexes were not created with it (%s)",
+                    objects.sql.label, " ".join(str(exc).split()))  # fmt: skip
 
 
 def build(
@@ -399,44 +421,45 @@ def build(
     """Create what the table lacks, on `conn`: autocommit, no statement timeout, holding
     the table's build lock (`objects.build_lock`), so nothing else builds them meanwhile
     and an INVALID index is one an interrupted build left. Returns what the catalog then
-    holds. Raises `BuildRefused` when the role may not, psycopg's errors otherwise."""
+    holds. Raises psycopg's errors: `InsufficientPrivilege` when the role may not
+    (not the table's owner, no CREATE on its schema)."""
     sql = objects.sql
     found = inspect(conn, sql)
     if found is None:
         return None
-    try:
-        if not found.has_functions or not found.has_mark:
-            # Functions are shared by the schema's tables: created under the lock every
-            # migration takes, so two tables' upgrades never race on one.
-            with conn.transaction():
-                conn.execute("SELECT pg_catalog.pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
-                again = inspect(conn, sql)
-                if again is not None and not again.has_functions:
-                    _create_functions(conn, objects)
-                for statement in objects.mark():
-                    conn.execute(statement)
-        if not found.has_mark:
-            _create_triggers(conn, objects, stop)
-        found = inspect(conn, sql) or found
-        built = False
-        for name in objects.indexes:
-            if stop.is_set():
-                break
-            if name in found.valid:
-                continue
-            if name in found.invalid:
-                log.info("dropping the index %s that an interrupted build left INVALID", name)
-                conn.execute(objects.drop_index(name))
-            log.info("building the index %s of %s (CREATE INDEX CONCURRENTLY)", name, sql.label)
-            conn.execute(objects.create_index(name, concurrently=True))
-            built = True
-        if built:
-            # The planner knows an index expression's values only from ANALYZE: until
-            # then it guesses a third of the rows expired and reads the primary key.
-            log.info("analyzing %s for its new indexes", sql.label)
-            conn.execute(f"ANALYZE {sql.table}")
-    except pg_errors.InsufficientPrivilege as exc:
-        raise BuildRefused(str(exc).strip()) from exc
+    if not found.has_functions or not found.has_mark:
+        # Functions are shared by the schema's tables: created under the lock every
+        # migration takes, so two tables' upgrades never race on one.
+        with conn.transaction():
+            conn.execute("SELECT pg_catalog.pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            again = inspect(conn, sql)
+            if again is not None and not again.has_functions:
+                _create_functions(conn, objects)
+            for statement in objects.mark():
+                conn.execute(statement)
+    if not found.has_mark:
+        _create_triggers(conn, objects, stop)
+    found = inspect(conn, sql) or found
+    built = False
+    for name in objects.indexes:
+        if stop.is_set():
+            break
+        if name in found.valid:
+            continue
+        if name in found.invalid:
+            log.info("dropping the index %s that an interrupted build left INVALID", name)
+            conn.execute(objects.drop_index(name))
+        log.info("building the index %s of %s (CREATE INDEX CONCURRENTLY)", name, sql.label)
+        conn.execute(objects.create_index(name, concurrently=True))
+        built = True
+    if found.expression_statistics and objects.statistics_name not in found.statistics:
+        conn.execute(objects.create_statistics)
+        built = True
+    if built:
+        # The planner knows an index expression's values only from ANALYZE: until
+        # then it guesses a third of the rows expired and reads the primary key.
+        log.info("analyzing %s for its new indexes", sql.label)
+        conn.execute(f"ANALYZE {sql.table}")
     return inspect(conn, sql)
 
 
@@ -474,7 +497,7 @@ def _create_triggers(
     )
 
 
-def statements_for_a_person(objects: Objects) -> str:
+def statements_for_a_person(objects: Objects, found: Found | None) -> str:
     """What a role allowed to (the table's owner) runs to build them all, as pasted into
     psql: every statement on one line, `;`-separated."""
     again = [f"DROP TRIGGER IF EXISTS {name} ON {objects.sql.table}"
@@ -482,4 +505,7 @@ def statements_for_a_person(objects: Objects) -> str:
     setup = [*objects.functions(), *objects.mark(), *again, *objects.triggers(),
              objects.owned_by()]  # fmt: skip
     indexes = [objects.create_index(name, concurrently=True) for name in objects.indexes]
+    if found is None or found.expression_statistics:
+        indexes.append(objects.create_statistics)
+    indexes.append(f"ANALYZE {objects.sql.table}")
     return ";\n".join(" ".join(s.split()) if "$fn$" not in s else s for s in setup + indexes) + ";"
