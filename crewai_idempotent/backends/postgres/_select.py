@@ -32,7 +32,7 @@ import pydantic_core
 from ...ledger._backend import DOCUMENTS, prefix_end
 from ...ledger._select import Order, Position, Select
 from ._schema import Statements
-from ._upgrade import DOCUMENTS_ONLY, NEEDS_OPERATOR, STATUSES, Found, Objects
+from ._upgrade import DOCUMENTS_ONLY, EXPIRING, NEEDS_OPERATOR, STATUSES, Found, Objects
 
 _COLUMNS = "key, doc, updated_at"
 
@@ -66,10 +66,12 @@ class Plan:
         params: list[Any] = []
         status = query.status
         if query.expired_by is not None:
-            where.append("status = 'COMMITTED'")
             if objects is not None and indexed("expiry"):
+                where.append(EXPIRING)
                 where.append(f"{objects.expires} <= %s")
                 params.append(float(query.expired_by))
+            else:
+                where.append("status = 'COMMITTED'")
         if status is not None:
             where.append("status = %s")
             params.append(status.value)
