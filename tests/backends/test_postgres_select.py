@@ -445,6 +445,12 @@ def test_model_content_that_reads_like_a_field_never_hides_a_record(
         hostile = Owner(host=text, pid=1, id='"state":"PENDING"')
         written = [
             record("r:receipt", result=fake, expires_at=T0 + 10_000),
+            # A receipt that says it never expires, in a record that does.
+            record(
+                "r:nullfake",
+                result={"expires_at": None, "t": ',"expires_at":null,'},
+                expires_at=T0 + 5,
+            ),
             record("r:text", result=text, error=text, owner=hostile),
             record("r:list", result=[fake, text], needs_operator=False),
             record("r:flagged", Status.UNCERTAIN, result=fake, needs_operator=True),
