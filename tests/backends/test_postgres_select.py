@@ -353,6 +353,133 @@ def test_an_index_an_interrupted_build_left_invalid_is_built_again(
         backend.close()
 
 
+PREVIOUS_RELEASE = "61b49de"
+
+_OLD_RELEASE_WRITES = """
+import sys
+import crewai_idempotent
+from crewai_idempotent import Record, Status, backend_from_url
+assert crewai_idempotent.__file__.startswith(sys.argv[2]), crewai_idempotent.__file__
+backend = backend_from_url(sys.argv[1])
+def put(key, status=Status.COMMITTED, **fields):
+    record = Record(key, status, "fp", 1, 1, None, 1, 5.0, 5.0, **fields)
+    assert backend.insert(record) is None
+    return record
+claim = put("old:claim", Status.PENDING)
+assert backend.replace(claim, claim.evolve(None, status=Status.COMMITTED, expires_at=7.0))
+put("old:flagged", Status.UNCERTAIN, needs_operator=True)
+put("crewai-idempotent/approval/old", result={"t": "json", "v": {"state": "PENDING",
+    "key": "pay:old", "summary": {"state": "USED"}}})
+assert backend.get("new:1") is not None  # what this version wrote, read by the old one
+backend.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def old_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The previous release's package, from this checkout's git history."""
+    root = Path(__file__).resolve().parents[2]
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", "--format=tar", PREVIOUS_RELEASE, "crewai_idempotent"],
+        capture_output=True,
+    )  # fmt: skip
+    if archive.returncode != 0:
+        pytest.skip(f"the previous release ({PREVIOUS_RELEASE}) is not in this checkout")
+    old_root = tmp_path_factory.mktemp("previous-release")
+    subprocess.run(["tar", "-x", "-C", str(old_root)], input=archive.stdout, check=True)
+    return old_root
+
+
+def test_the_previous_release_writes_beside_this_one(
+    postgres_server: PostgresServer, table: str, old_release: Path
+) -> None:
+    """The previous release itself (its code, from git, in another interpreter) opens a
+    table this version made, with every index and the trigger: it accepts it (version 1),
+    its writes land in the indexes, and they move this version's mark."""
+    old_root = old_release
+    url = postgres_server.url(table=table, check_durability="false")
+    backend = backend_from_url(url)
+    try:
+        assert backend.insert(record("new:1", Status.PENDING)) is None
+        assert backend.indexes_ready()
+        mark = backend.changes()
+        env = {**os.environ, "PYTHONPATH": str(old_root)}
+        done = subprocess.run([sys.executable, "-c", _OLD_RELEASE_WRITES, url, str(old_root)],
+                              env=env, cwd=old_root, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert backend.changes() != mark
+        assert keys(backend.select(Select(expired_by=7.0))) == ["old:claim"]
+        assert keys(backend.select(Select(needs_operator=True))) == ["old:flagged"]
+        assert keys(backend.select(Select(prefix=APPROVALS, state="PENDING"))) == [
+            APPROVALS + "old"
+        ]
+        assert keys(backend.select(Select(prefix=APPROVALS, subject="pay:old"))) == [
+            APPROVALS + "old"
+        ]
+        assert keys(backend.select(Select(prefix=APPROVALS, state="USED"))) == []
+    finally:
+        backend.close()
+
+
+_OLD_RELEASE_CLAIMS = """
+import sys
+import crewai_idempotent
+from crewai_idempotent import Record, Status, backend_from_url
+assert crewai_idempotent.__file__.startswith(sys.argv[2]), crewai_idempotent.__file__
+backend = backend_from_url(sys.argv[1])
+backend.get("-")  # the previous release makes the table
+print("made", flush=True)
+sys.stdin.readline()  # this version has opened it
+for i in range(300):
+    record = Record(f"old:{i:04d}", Status.PENDING, "fp", 1, 1, None, 1, 5.0 + i, 5.0 + i)
+    assert backend.insert(record) is None
+    done = record.evolve(None, status=Status.COMMITTED, expires_at=float(i),
+                         needs_operator=i % 50 == 0)
+    assert backend.replace(record, done)
+backend.close()
+"""
+
+
+def test_a_table_the_previous_release_makes_is_upgraded_while_it_writes(
+    postgres_server: PostgresServer, table: str, old_release: Path
+) -> None:
+    """The rolling upgrade: the previous release (its code, in another interpreter) makes
+    the table and keeps claiming and committing while this version opens it and builds
+    its indexes; every write of both lands, and the selects see the old release's."""
+    url = postgres_server.url(table=table, check_durability="false")
+    env = {**os.environ, "PYTHONPATH": str(old_release)}
+    old = subprocess.Popen(
+        [sys.executable, "-c", _OLD_RELEASE_CLAIMS, url, str(old_release)], env=env,
+        cwd=old_release, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    backend = None
+    try:
+        assert old.stdout is not None and old.stdin is not None
+        assert old.stdout.readline().strip() == "made"
+        backend = backend_from_url(url)
+        assert backend.insert(record("new:1", Status.PENDING)) is None  # starts the build
+        old.stdin.write("go\n")
+        old.stdin.flush()
+        for i in range(100):
+            claim = record(f"new:{i + 2:04d}", Status.PENDING)
+            assert backend.insert(claim) is None
+        _out, errors = old.communicate(timeout=120)
+        assert old.returncode == 0, errors
+        wait_until_ready(backend)
+        assert keys(backend.select(Select(needs_operator=True))) == [
+            f"old:{i:04d}" for i in range(0, 300, 50)
+        ]
+        assert len(list(backend.select(Select(expired_by=99.0)))) == 100
+        assert_answers(backend, random.Random(12), queries=30)
+    finally:
+        if old.poll() is None:
+            old.kill()
+        if backend is not None:
+            backend.close()
+
+
 # -- what a write holds ---------------------------------------------------------------------
 
 
