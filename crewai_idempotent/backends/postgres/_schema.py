@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import LedgerUnavailable
@@ -25,8 +26,9 @@ SCHEMA_VERSION = 1
 DEFAULT_TABLE = "crewai_idempotency_records"
 #: One row per ledger table: (table_name, version). Lives in the same schema as the table.
 VERSIONS_TABLE = "crewai_idempotency_schema"
-# pg_advisory_xact_lock key that serialises migrations of every crewai-idempotent table.
-_MIGRATION_LOCK = int.from_bytes(
+# pg_advisory_xact_lock key that serialises migrations of every crewai-idempotent table
+# (and the creation of the functions their indexes share: `_upgrade`).
+MIGRATION_LOCK = int.from_bytes(
     hashlib.sha256(b"crewai-idempotent migrate").digest()[:8], "big", signed=True
 )
 
@@ -77,7 +79,9 @@ class Statements:
         self.label = f"{schema}.{table}" if schema is not None else table
         t = self.table = prefix + identifier(table, "table")
         digest = hashlib.sha256(self.label.encode()).hexdigest()[:8]
-        self.index = identifier(f"{table[:40]}_{digest}_status", "index")
+        #: What every object of this table is named from (`_upgrade.Objects`).
+        self.base = f"{table[:40]}_{digest}"
+        self.index = identifier(f"{self.base}_status", "index")
         versions = prefix + identifier(VERSIONS_TABLE, "table")
         self.create_versions = (
             f"CREATE TABLE IF NOT EXISTS {versions} ("
@@ -111,7 +115,8 @@ class Statements:
         # Prefix scans compare bytes (text_pattern_ops' operators, and C order): under a
         # linguistic collation a range of the primary key is not a prefix. The documents'
         # clause is written out, so the planner matches it to the partial index.
-        self.docs_index = identifier(f"{table[:40]}_{digest}_docs", "index")
+        self.docs_index_bare = f"{self.base}_docs"
+        self.docs_index = identifier(self.docs_index_bare, "index")
         self.docs_index_name = prefix + self.docs_index
         self.create_docs_index = (
             f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {self.docs_index} ON {t} "
@@ -155,21 +160,30 @@ def check_version(version: int, sql: Statements, where: str) -> None:
         )
 
 
-def migrate(conn: psycopg.Connection[Any], sql: Statements, where: str) -> None:
-    """Create the table, or bring it to SCHEMA_VERSION, in one transaction."""
+def migrate(
+    conn: psycopg.Connection[Any],
+    sql: Statements,
+    where: str,
+    with_new_table: Callable[[psycopg.Connection[Any]], None] | None = None,
+) -> None:
+    """Create the table, or bring it to SCHEMA_VERSION, in one transaction.
+    `with_new_table` runs in that transaction when it created the table."""
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
         if sql.schema_name is not None:
             conn.execute(f"CREATE SCHEMA IF NOT EXISTS {identifier(sql.schema_name, 'schema')}")
         conn.execute(sql.create_versions)
         row = conn.execute(sql.version, (sql.table_name,)).fetchone()
         version = row[0] if row else 0
         check_version(version, sql, where)
+        exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (sql.table,)).fetchone()
         for step in range(version + 1, SCHEMA_VERSION + 1):
             for statement in _MIGRATIONS[step]:
                 conn.execute(
                     statement.format(table=sql.table, index=sql.index, docs_index=sql.docs_index)
                 )
+        if with_new_table is not None and exists is not None and not exists[0]:
+            with_new_table(conn)
         conn.execute(sql.set_version, (sql.table_name, SCHEMA_VERSION))
     if row is None or row[0] != SCHEMA_VERSION:
         log.info("ledger table %s at %s is at schema version %d", sql.label, where,

@@ -31,6 +31,7 @@ resend after a lost connection decide together whether a call may be sent again.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import select
@@ -57,12 +58,22 @@ from ..._errors import LedgerUnavailable, PostgresDurabilityWarning
 from ...ledger import _fork
 from ...ledger._backend import DOCUMENTS, CacheBackend, prefix_end
 from ...ledger._record import Record, Status, read_record
+from ...ledger._select import Order, Select
 from .._clock import ServerClock
 from .._options import configuration_errors, flag, redact, split_server_options, with_options
 from .._scan import BATCH, ScanCounter, ScanStats
 from ._deadline import GRACE_S, Budget, Connecting, watchdog
 from ._durability import durability_problems, read_durability
 from ._schema import DEFAULT_TABLE, SCHEMA_VERSION, Statements, check_version, migrate
+from ._select import Plan
+from ._upgrade import (
+    Found,
+    Objects,
+    build,
+    create_with_table,
+    inspect,
+    statements_for_a_person,
+)
 
 log = logging.getLogger("crewai_idempotent")
 
@@ -98,6 +109,12 @@ class PostgresCacheBackend(CacheBackend):
     `clock_refresh_s` is how often the server's clock is read again (leases and TTLs are
     judged by it).
 
+    A table made by an earlier version lacks the indexes this version's listings read by
+    and the trigger behind `changes()`: with `build_in_background` (the default) the
+    first use starts building them in a thread, on a connection of its own, without
+    blocking claims (`build_indexes()`); without it, they wait for `build_indexes()`.
+    `indexes_ready()` says whether they are there.
+
     Raises `ValueError` for a duration or size out of range and `TypeError` for a
     `dsn_or_pool` that is neither; nothing is connected until first use (or
     `check_reachable()`).
@@ -116,6 +133,7 @@ class PostgresCacheBackend(CacheBackend):
         statement_timeout_s: float = 10.0,
         clock_refresh_s: float = 60.0,
         check_durability: bool = True,
+        build_in_background: bool = True,
     ) -> None:
         for name, value in (
             ("timeout_s", timeout_s),
@@ -152,6 +170,7 @@ class PostgresCacheBackend(CacheBackend):
         self.where = _describe(self._conninfo)
         # Once per backend, not per process: a forked child's server is its parent's.
         self.check_durability = check_durability
+        self.build_in_background = build_in_background
         self._durability_checked = not check_durability
         self._clock = ServerClock("PostgreSQL", self._read_clock, clock_refresh_s)
         self._closed = False
@@ -201,6 +220,13 @@ class PostgresCacheBackend(CacheBackend):
         self._degraded = False
         self._direct = threading.BoundedSemaphore(2)
         self._clock.after_fork()
+        # What the catalog holds of the indexes and the change mark (`_upgrade`), when it
+        # was last read, and the thread that builds what a table made before lacks.
+        self._found: Found | None = None
+        self._objects: Objects | None = None
+        self._found_at = -math.inf
+        self._builder: threading.Thread | None = None
+        self._stop_building = threading.Event()
 
     # -- fork() (see _fork) ------------------------------------------------------------
 
@@ -477,7 +503,18 @@ class PostgresCacheBackend(CacheBackend):
                     conn.rollback()
             if row is None or row[0] != SCHEMA_VERSION:
                 check_version(row[0] if row else 0, sql, self.where)
-                migrate(conn, sql, self.where)
+                migrate(conn, sql, self.where, self._create_with_table)
+            found = inspect(conn, sql)
+            if not conn.autocommit:
+                conn.commit()
+            self._note(found)
+            if (
+                found is not None
+                and not self._ready(found)
+                and self.build_in_background
+                and not self._closed
+            ):
+                self._start_building()
             self._schema_ready = True
             if not self._durability_checked:
                 self._durability_checked = True
@@ -635,6 +672,196 @@ class PostgresCacheBackend(CacheBackend):
         Raises nothing."""
         return self._scans.stats()
 
+    # -- listings, and the indexes they read by (`_select`, `_upgrade`) ------------------
+
+    def select(self, query: Select) -> Iterator[Record]:
+        """The records `query` selects, in its order, from its `after` on, at most its
+        `limit` (see `CacheBackend.select`), read from the table's indexes in batches of
+        at most 500 rows, one statement each (`_select`), each counted in `scan_stats()`.
+        Until a table made by an earlier version has its indexes (`indexes_ready()`) the
+        same statements are answered without them: right, but slower. Raises `TypeError`
+        for a `query` that is not a `Select`, and `LedgerUnavailable` while it is
+        iterated, if the server cannot be read."""
+        if not isinstance(query, Select):
+            raise TypeError(f"select() takes a Select, not {type(query).__name__}")
+        if "\x00" in query.prefix:
+            return iter(())  # no key holds a NUL (and PostgreSQL text cannot)
+        return self._select_batches(query)
+
+    def _select_batches(self, query: Select) -> Iterator[Record]:
+        found = self._upgrade_state()
+        plan = Plan(self._sql, self._objects, found, query)
+        limit, after, given = query.limit, query.after, 0
+
+        def batch(text: str, params: list[Any]) -> Callable[[psycopg.Connection[Any], bool], Any]:
+            return lambda conn, _resent: conn.execute(text, params, prepare=False).fetchall()
+
+        while True:
+            size = BATCH if limit is None else min(BATCH, limit - given)
+            rows = self._call("listing records", batch(*plan.statement(after, size)), retry=True)
+            self._scans.read(len(rows))
+            for _key, doc, _at in rows:
+                record = self._decode(doc)
+                # An index may over-include (model content that reads like a field), and
+                # fields without their function yet are not in the statement at all.
+                if query.matches(record) and query.beyond(record):
+                    yield record
+                    given += 1
+                    if limit is not None and given >= limit:
+                        return
+            if len(rows) < size:
+                return
+            key, _doc, at = rows[-1]
+            after = key if query.order is Order.KEY else (at, key)
+
+    def changes(self) -> object | None:
+        """A mark that differs after any write to the ledger by any process (the previous
+        release's writers included), read without reading a record: the value of a
+        sequence that a trigger on the table moves with every row written. It is read
+        settled only when no writer holds the table's ROW EXCLUSIVE lock (which each
+        keeps from before its rows until its commit is visible); while one does, every
+        mark is a new one, so a reader never settles on a mark whose write it cannot see
+        yet. None until a table made by an earlier version has its trigger
+        (`indexes_ready()`). Raises `LedgerUnavailable` if the server cannot be asked."""
+        found = self._upgrade_state()
+        objects = self._objects
+        if found is None or objects is None or not found.has_mark:
+            return None
+        row = self._call(
+            "reading the ledger's change mark",
+            lambda conn, _resent: conn.execute(objects.read_mark).fetchone(),
+            retry=True,
+        )
+        assert row is not None
+        value, called, settled = row
+        count = int(value) if called else 0
+        if not settled:
+            return ("moving", count, next(_moving))
+        return ("settled", count)
+
+    def indexes_ready(self) -> bool:
+        """True when the table has every index this version's listings read by and the
+        trigger behind `changes()`, all valid. A table made by an earlier version gets
+        them in the background (`build_indexes`) when this version first opens it: until
+        then `select` reads without them (right, slower) and `changes()` is None. Reads
+        the catalog (one statement) every time. Raises `LedgerUnavailable` if the server
+        cannot be asked."""
+        found = self._upgrade_state(refresh=True)
+        return found is not None and self._ready(found)
+
+    def build_indexes(self) -> bool:
+        """Build what `indexes_ready()` finds missing now, on a connection of this call's
+        own without a statement timeout: CREATE INDEX CONCURRENTLY (claims go on
+        meanwhile), after the functions, the sequence and the trigger (which waits at
+        most 100 ms at a time for the writers in flight, and tries again). An index an
+        interrupted build left INVALID is built again. True when everything is ready;
+        False when another process is building them (it holds the table's build lock).
+        A backend starts this in a thread of its own when it first opens a table that
+        lacks them. Raises `LedgerUnavailable` if the server cannot be reached, or the
+        role may not build them (the message holds the statements a table owner runs)."""
+        try:
+            return self._build_once(threading.Event())
+        except pg_errors.InsufficientPrivilege as exc:
+            raise LedgerUnavailable(self._refused(exc)) from exc
+        except psycopg.Error as exc:
+            raise LedgerUnavailable(self._explain(exc, "building the ledger's indexes")) from exc
+
+    def _ready(self, found: Found) -> bool:
+        objects = self._objects
+        return objects is not None and not found.missing(objects)
+
+    def _note(self, found: Found | None) -> None:
+        if found is not None and self._objects is None:
+            self._objects = Objects(self._sql, found.namespace)
+        self._found, self._found_at = found, time.monotonic()
+
+    def _create_with_table(self, conn: psycopg.Connection[Any]) -> None:
+        found = inspect(conn, self._sql)
+        if found is not None:
+            create_with_table(conn, Objects(self._sql, found.namespace), found)
+
+    def _upgrade_state(self, refresh: bool = False) -> Found | None:
+        """What the catalog holds of the table's objects: read again while they are not
+        ready, at most every few seconds, or now (`refresh`)."""
+        found = self._found
+        if (
+            found is not None
+            and not refresh
+            and (self._ready(found) or time.monotonic() - self._found_at < 5.0)
+        ):
+            return found
+        asked = time.monotonic()
+
+        def read(conn: psycopg.Connection[Any], _resent: bool) -> Found | None:
+            if self._found_at >= asked:
+                return self._found  # the first call of this process has just read it
+            return inspect(conn, self._sql)
+
+        found = self._call("reading the ledger's indexes", read, retry=True)
+        self._note(found)
+        return found
+
+    def _start_building(self) -> None:
+        """Under `_lock`: the builder thread, unless one runs in this process."""
+        if self._builder is not None and self._builder.is_alive():
+            return
+        self._builder = threading.Thread(
+            target=self._build_in_background,
+            args=(self._stop_building,),
+            name="crewai-idempotent-pg-indexes",
+            daemon=True,
+        )
+        self._builder.start()
+
+    def _build_in_background(self, stop: threading.Event) -> None:
+        pause = 1.0
+        while not stop.is_set():
+            try:
+                if self._build_once(stop):
+                    return
+            except pg_errors.InsufficientPrivilege as exc:
+                log.warning("%s", self._refused(exc))
+                return
+            except (psycopg.Error, OSError) as exc:
+                log.info("building the indexes of %s at %s failed (%s); trying again",
+                         self._sql.label, self.where, _one_line(exc))  # fmt: skip
+            stop.wait(pause)
+            pause = min(pause * 2, 60.0)
+
+    def _build_once(self, stop: threading.Event) -> bool:
+        pool = self._pool_here()
+        conninfo = pool.conninfo if isinstance(pool.conninfo, str) else self._conninfo
+        kwargs = dict(pool.kwargs) if isinstance(pool.kwargs, dict) else {}
+        kwargs.update(autocommit=True, application_name="crewai-idempotent index build")
+        kwargs.setdefault("connect_timeout", max(2, math.ceil(self.connect_timeout_s)))
+        with psycopg.connect(conninfo, **kwargs) as conn:
+            conn.execute("SET statement_timeout = 0")
+            found = inspect(conn, self._sql)
+            self._note(found)
+            objects = self._objects
+            if found is None or objects is None or self._ready(found):
+                return found is not None
+            held = conn.execute("SELECT pg_try_advisory_lock(%s)", (objects.build_lock,))
+            if not held.fetchone()[0]:  # type: ignore[index]
+                return False  # another process builds them
+            log.info("ledger table %s at %s lacks %s: building them without blocking "
+                     "claims", self._sql.label, self.where,
+                     ", ".join(found.missing(objects)))  # fmt: skip
+            found = build(conn, objects, stop)
+            self._note(found)
+            # The session's end releases the build lock.
+            return found is not None and self._ready(found)
+
+    def _refused(self, exc: psycopg.Error) -> str:
+        objects = self._objects
+        statements = "" if objects is None else statements_for_a_person(objects, self._found)
+        return (
+            f"ledger table {self._sql.label} at {self.where} lacks the indexes this version "
+            f"lists records by, and this role may not build them ({_one_line(exc)}); listings read "
+            "without them (slower) and changes() is None. The table's owner builds them "
+            f"with:\n{statements}"
+        )
+
     def _check_documents_index(self) -> None:
         """A table made by an earlier version has no index of the documents: their scans
         read the whole table then. Said once, with the statement that builds it."""
@@ -672,6 +899,7 @@ class PostgresCacheBackend(CacheBackend):
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._stop_building.set()
             pool, self._pool = self._pool, None
         if pool is not None and self._given_pool is None:
             pool.close(timeout=5.0)
@@ -728,6 +956,9 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+# Each "moving" change mark is a new one (`changes()`).
+_moving = itertools.count()
+
 _abandoned: list[ConnectionPool[Any]] = []
 
 
@@ -752,6 +983,7 @@ _OPTIONS: dict[str, Callable[[str], Any]] = {
     "statement_timeout_s": float,
     "clock_refresh_s": float,
     "check_durability": flag,
+    "build_in_background": flag,
 }
 _REFUSED = {
     "connect_timeout": "use connect_timeout_s (seconds), which bounds the ledger's own wait too",
