@@ -43,7 +43,7 @@ from ._demos import demo, demo_approvals
 from ._doctor import doctor
 from ._gates import approvals, spend
 from ._keys import keys
-from ._ledger import export, list_records, purge, resolve, show
+from ._ledger import build_indexes, export, list_records, purge, resolve, show
 from ._notify import notifications, notify
 from ._output import safe
 from ._reconcile import reconcile
@@ -128,6 +128,7 @@ for _command in (
     show,
     resolve,
     purge,
+    build_indexes,
     doctor,
     demo,
     approvals,

@@ -199,7 +199,7 @@ def _open_facts(where: Where, out: _Report) -> None:
     ):
         if count:
             out.fact("", f"{what}: {where.command(*args)}")
-    _index_facts(ledger.backend, out)
+    _index_facts(ledger.backend, where, out)
     _outbox_facts(ledger, out)
     _durability_facts(ledger.backend, out)
 
@@ -217,7 +217,7 @@ def _open_records(ledger: Ledger) -> tuple[int, int, int, int]:
     return pending, stale, uncertain, flagged
 
 
-def _index_facts(backend: Any, out: _Report) -> None:
+def _index_facts(backend: Any, where: Where, out: _Report) -> None:
     """Whether the store's listings read from its indexes yet: a ledger made by an earlier
     version gets them when this one opens it, and until they are built a listing answers
     by reading more. A store that cannot say is left unsaid."""
@@ -235,7 +235,8 @@ def _index_facts(backend: Any, out: _Report) -> None:
         out.fact(
             "indexes",
             "not built yet (this version builds them on the ledger an earlier one made): "
-            "listings answer right meanwhile, reading more of the ledger",
+            "listings answer right meanwhile, reading more of the ledger; "
+            f"{where.command('build-indexes')} builds them now and waits",
         )
 
 

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import shutil
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -457,6 +458,50 @@ def _kept_result(record: Record) -> Any:
             )
         )
     return record.value()
+
+
+@click.command("build-indexes")
+@click.option(
+    "--rescan",
+    is_flag=True,
+    help="Redis: walk every record again, for a ledger the previous release went on "
+    "writing after its indexes were complete.",
+)
+@click.pass_obj
+def build_indexes(where: Where, rescan: bool) -> None:
+    """Build the listing indexes of a ledger an earlier version made, now, and wait for them.
+
+    SQLite and PostgreSQL build them in the background (claims go on meanwhile) when this
+    version first opens such a ledger: this waits for that, or does it. Redis fills them
+    only when asked: run this once no worker of the previous release writes the ledger.
+    Until they are complete, listings answer right by reading more of the ledger.
+    """
+    with ledger_errors(where.scrub):
+        backend = where.ledger().backend
+        ready = getattr(backend, "indexes_ready", None)
+        if not callable(ready):
+            click.echo(f"{where.label} keeps no listing indexes to build (docs/backends.md)")
+            return
+        if rescan and not hasattr(backend, "backfill_indexes"):
+            raise click.UsageError("--rescan is for a Redis ledger")
+        if ready() and not rescan:
+            click.echo(f"the listing indexes of {where.label} are complete")
+            return
+        click.echo(f"building the listing indexes of {where.label} (claims go on meanwhile)")
+        backfill = getattr(backend, "backfill_indexes", None)
+        if backfill is not None:
+            done = backfill(rescan=rescan)
+        else:
+            done = backend.build_indexes()  # type: ignore[attr-defined]
+            while not done:
+                time.sleep(1.0)  # another process holds the build: wait for it to finish
+                done = ready()
+    if not done:
+        raise click.ClickException(
+            "the indexes are not complete: a worker of the previous release is still "
+            f"writing this ledger; run {where.command('build-indexes')} again once none does"
+        )
+    click.echo(f"the listing indexes of {where.label} are complete")
 
 
 @click.command("purge")
