@@ -116,11 +116,13 @@ class Console:
         self.backend = backend
         self.settings = settings
         self.sections = tuple(sections)
-        self.ledger = Ledger(backend)
-        # What the workers trust, as this host is told: with them, approvals are signed.
+        # What the workers trust, as this host is told: with them, approvals and
+        # resolutions are signed, and the console's own ledger refuses to write unsigned
+        # ones the workers would refuse later.
         self.trusted_keys = (
             trusted_keys if trusted_keys is not None else signing.TrustedKeys.from_env()
         )
+        self.ledger = Ledger(backend, trusted_keys=self.trusted_keys)
         self.approvals = Approvals(backend, trusted_keys=self.trusted_keys)
         self.accounts = Accounts(backend)
         self.sessions = Sessions(backend, ttl_s=settings.session_ttl_s, idle_s=settings.idle_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import shlex
 import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -261,6 +262,20 @@ def _signed_only(console: Console, rid: str) -> str:
     )
 
 
+def _signed_resolution_only(console: Console, key: str, how: list[str], reason: str) -> str:
+    """What an operator is told when a resolution cannot be signed in the console: the
+    command that makes it signed, as they asked for it here (it signs with the key
+    $CREWAI_IDEMPOTENCY_SIGNING_KEY names, as every decision command does)."""
+    words = ["resolve", key, *how, "--reason", reason]
+    resolve = command(ledger_option(console.backend), *map(shlex.quote, words))
+    return (
+        f"Resolutions of this ledger are signed (the workers obey only resolutions signed by "
+        f"a key of theirs), and the console cannot sign one. Resolve {key!r} with your key "
+        f"($CREWAI_IDEMPOTENCY_SIGNING_KEY naming its file, or --key FILE added): {resolve}. "
+        f"Nothing changed."
+    )
+
+
 # -- records ----------------------------------------------------------------------------------
 
 
@@ -323,6 +338,7 @@ def resolve(console: Console, request: Request, who: Who, form: FormData | None)
         return again(console, request, who, form, "Say whether it happened or not.")
     if not reason or len(reason) > MAX_REASON:
         return again(console, request, who, form, "Say what you checked at the provider.")
+    how = ["--absent"]
     try:
         if verdict == "absent":
             console.ledger.resolve(key, absent=True, by=who.name, reason=reason)
@@ -334,18 +350,24 @@ def resolve(console: Console, request: Request, who: Who, form: FormData | None)
                     return again(console, request, who, form, "There is no stored result to "
                                  "keep: give the provider's receipt.")  # fmt: skip
                 result = record.value()
+                how = ["--happened"]
             elif kind == "json":
                 try:
                     result = json.loads(receipt)
                 except ValueError as exc:
                     return again(console, request, who, form, f"The receipt is not JSON: {exc}.")
+                how = ["--happened", "--result", receipt]
             elif receipt.strip():
                 result = receipt
+                how = ["--happened", "--result-text", receipt]
             else:
                 return again(console, request, who, form, "Give the provider's receipt.")
             console.ledger.resolve(key, result=result, by=who.name, reason=reason)
     except ResolutionRefused as exc:
         return again(console, request, who, form, str(exc))
+    except DecisionRefused:
+        refusal = _signed_resolution_only(console, key, how, reason)
+        return again(console, request, who, form, refusal)
     log.info("%s resolved %r as %s", who.name, key, verdict)
     console.wake_dispatchers()
     if back.startswith("/record"):

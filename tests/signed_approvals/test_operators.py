@@ -205,6 +205,55 @@ def test_with_signing_on_the_console_form_refuses_an_approval_it_cannot_sign(
     assert Approvals(store).get(rid).state is ApprovalState.PENDING
 
 
+@pytest.mark.parametrize("verdict", ["absent", "happened"])
+def test_with_signing_on_the_console_refuses_a_resolution_it_cannot_sign_and_says_how(
+    store: CacheBackend, console: object, keys: Keys, url: str, tmp_path: Path, verdict: str
+) -> None:
+    """Before, the console wrote the resolution unsigned and the workers refused it later;
+    now it refuses first, and the command it prints, run as pasted by an operator whose
+    key is named in the environment, makes the same resolution signed."""
+    import html
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from crewai_idempotent import OutcomeUncertain, OutcomeUnknown, Status
+    from crewai_idempotent.console import Accounts
+    from tests.support.console import PASSWORD, csrf_of, login
+
+    def unknown() -> None:
+        raise OutcomeUnknown("the provider did not answer")
+
+    key = "charge:o'brien 7"
+    with pytest.raises((OutcomeUnknown, OutcomeUncertain)):
+        Ledger(store).run(key, unknown)
+    Accounts(store).add("olga", "operator", PASSWORD)
+    assert login(console, "olga").status_code == 303
+    page = console.get("/uncertain").text  # type: ignore[attr-defined]
+    form = {"csrf": csrf_of(page), "key": key, "token": "1", "verdict": verdict,
+            "reason": "checked: it's not in the dashboard"}  # fmt: skip
+    if verdict == "happened":
+        form |= {"receipt_kind": "json", "receipt": '{"id": "ch_9"}'}
+    answer = console.post("/record/resolve", data=form)  # type: ignore[attr-defined]
+    assert answer.status_code == 409 and "Resolutions of this ledger are signed" in answer.text
+    record = Ledger(store).get(key)
+    assert record is not None and record.status is Status.UNCERTAIN and not record.signed
+    text = html.unescape(answer.text)
+    (hint,) = re.findall(r"\): (crewai-idempotent [^\n]*?)\. Nothing changed", text)
+    env = {**os.environ, SIGNING_KEY_ENV: str(keys.alice.path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    pasted = subprocess.run(["bash", "-c", hint], env=env, capture_output=True, text=True)
+    assert pasted.returncode == 0, pasted.stderr
+    settled = Ledger(store).get(key)
+    assert settled is not None and settled.signed and settled.history[-1].by == keys.alice.identity
+    if verdict == "absent":
+        assert settled.status is Status.FAILED
+    else:
+        assert settled.status is Status.COMMITTED and settled.value() == {"id": "ch_9"}
+    assert url in hint
+
+
 def test_a_console_told_of_trusted_keys_that_do_not_pass_does_not_start(
     store: CacheBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
