@@ -394,6 +394,12 @@ def glob_escape(text: str) -> str:
 def answer(store: Store, query: Select, ready: bool) -> Iterator[Record]:
     """The records `query` selects, as `Select.apply` says, read from the sets that serve
     it. `ready`: every record carries its `x` stamp (the backfill is done)."""
+    # The readers below are generators: islice stops pulling at the limit, so no batch
+    # past the last record it yields is fetched.
+    return itertools.islice(_matches(store, query, ready), query.limit)
+
+
+def _matches(store: Store, query: Select, ready: bool) -> Iterator[Record]:
     layout = store.layout
     documents = query.prefix.startswith(DOCUMENTS)
     time_order = query.order is not Order.KEY
@@ -490,7 +496,6 @@ def _by_time(store: Store, query: Select, sets: list[str], *, secondary: bool) -
     n = _limit(query)
     streams = [time_stream(store, name, newest, window, after, n) for name in sets]
     merged = heapq.merge(*streams, reverse=newest)
-    left = query.limit
     for batch in _chunks(merged, n):
         reads = fetch(store, [key for _score, key in batch])
         heal(store, reads, sets if secondary else ())
@@ -502,10 +507,6 @@ def _by_time(store: Store, query: Select, sets: list[str], *, secondary: bool) -
                 continue
             if query.matches(record) and query.beyond(record):
                 yield record
-                if left is not None:
-                    left -= 1
-                    if not left:
-                        return
 
 
 def _by_key(
@@ -516,7 +517,6 @@ def _by_key(
     n = _limit(query)
     streams = [lex_stream(store, name, low, high, n) for name, low, high in sets]
     merged = (key for key, _ in itertools.groupby(heapq.merge(*streams)))
-    left = query.limit
     names = [name for name, _, _ in sets] if secondary else []
     for batch in _chunks(merged, n):
         reads = fetch(store, batch)
@@ -525,10 +525,6 @@ def _by_key(
             record = read.record
             if record is not None and query.matches(record) and query.beyond(record):
                 yield record
-                if left is not None:
-                    left -= 1
-                    if not left:
-                        return
 
 
 def _gathered(
@@ -552,7 +548,6 @@ def _gathered(
             newest = query.order is Order.NEWEST
             entries = [e for e in entries if (e < after if newest else e > after)]  # type: ignore[operator]
         ordered = sorted(entries, reverse=query.order is Order.NEWEST)
-    left = query.limit
     for batch in _chunks(ordered, _limit(query)):
         batch_keys = [e if isinstance(e, str) else e[1] for e in batch]
         reads = fetch(store, batch_keys)
@@ -563,10 +558,6 @@ def _gathered(
                 continue
             if query.matches(record) and query.beyond(record):
                 yield record
-                if left is not None:
-                    left -= 1
-                    if not left:
-                        return
 
 
 def _times(store: Store, keys: list[str]) -> dict[str, float]:
