@@ -27,6 +27,9 @@ then the median of the rounds. Each loop runs unsigned and signed:
    Timed: a call that replays the receipt the resolution stored. A receipt a resolution
    found is a use of that resolution: with trusted keys every such replay verifies it.
 
+And, run among the first loops, `cryptography`'s Ed25519 verification of one signature
+over a decision's canonical bytes alone: what no bookkeeping around the check can remove.
+
 The approval plan is the stage the crewAI guard builds for a flagged tool
 (`gates._plan.Plan`, as tests/signed_approvals/test_gate.py drives it); the rest is the
 public API. The signed/unsigned ratio of each loop is what a signature check costs where
@@ -140,7 +143,7 @@ class Round:
         }
 
     def key(self, loop: str, mode: str, i: int) -> tuple[str, str]:
-        key = f"pay:{self.tag}:{loop}:{mode}:{i}"
+        key = f"pay:{self.tag}:{loop}:{mode[0]}:{i}"  # u or s: keys of one length
         return key, hashlib.sha256(key.encode()).hexdigest()
 
     def plan(self, mode: str, fingerprint: str, approvers: int) -> Any:
@@ -216,6 +219,23 @@ def _timed_out() -> str:
     raise OutcomeUnknown("the provider timed out")
 
 
+def _ed25519_alone() -> Callable[[int], Any]:
+    """`cryptography`'s Ed25519 check of one signature over a resolution's canonical
+    bytes, and nothing else: the part of a signature check no bookkeeping can remove."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from crewai_idempotent.signing import Decision
+
+    decision = Decision.absent(
+        key="pay:r0:ra:s:0", token=2, by="operator@example.com", via="api",
+        at=time.time(), reason="checked",
+    )  # fmt: skip
+    message = decision.canonical()
+    private = Ed25519PrivateKey.generate()
+    signature, public = private.sign(message), private.public_key()
+    return lambda i: public.verify(signature, message)
+
+
 def _round(one: Round, seam: Verifications) -> dict[str, float]:
     """One round: the calls that use a fresh decision side by side, then the replays."""
     fresh: dict[str, Callable[[int], Any]] = {}
@@ -225,6 +245,7 @@ def _round(one: Round, seam: Verifications) -> dict[str, float]:
         granted2[mode] = one.granted(mode, 2, "g2")
         fresh[f"granted, 2 approvers {mode}"] = granted2[mode]
         fresh[f"resolved absent, next call {mode}"] = one.resolved(mode, "ra", absent=True)
+    fresh["Ed25519 verify alone"] = _ed25519_alone()
     measured = _per_call(fresh, one.calls, seam)
     replays: dict[str, Callable[[int], Any]] = {}
     for mode in MODES:
@@ -279,6 +300,8 @@ def main() -> int:
             f"{row:28} {unsigned:9.1f} {signed:9.1f} {signed / unsigned:6.2f}"
             f"  {counted[0]:g} / {counted[1]:g} per call"
         )
+    alone = median["Ed25519 verify alone"]
+    print(f"{'Ed25519 verify alone':28} {'':9} {alone:9.1f}  (cryptography: the signature only)")
     return 0
 
 
