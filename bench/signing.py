@@ -9,7 +9,8 @@ resolutions signed by Ed25519 key files made with `Signer.create`). Everything a
 call needs (the request asked, the approvals made, the record made UNCERTAIN and resolved)
 is done before the clock starts; the clock times only the call that uses the decision.
 The loops run in alternating blocks of 25 calls (a noisy neighbour hits every loop
-alike), CPU time per call (user + system, this process): the fastest of a round's blocks,
+alike; every other block in reverse order, so no loop always follows another), CPU time
+per call (user + system, this process): the fastest of a round's blocks,
 then the median of the rounds. Each loop runs unsigned and signed:
 
 1. granted call, 1 or 2 approvers: a fresh key per call, asked (`Ledger.run` with an
@@ -91,11 +92,16 @@ def _per_call(
     """CPU seconds per call of each loop, run in alternating blocks of BLOCK calls: the
     fastest block's, as `timeit` advises. Load on a shared machine only ever adds time,
     so the least disturbed block is the closest reading of what a call costs; every loop
-    is read the same way. The seam is told which loop runs (once per block)."""
+    is read the same way. Every other block runs the loops in reverse order: a loop run
+    right after another reads a few percent faster or slower than in its own place (the
+    unsigned replay, always run first, read 4-9 % slower than the signed one, and as fast
+    with the order swapped), which hides a difference of that size. The seam is told
+    which loop runs (once per block)."""
     spent: dict[str, list[float]] = {name: [] for name in loops}
+    forward = list(loops.items())
     for start in range(0, calls, BLOCK):
         stop = min(start + BLOCK, calls)
-        for name, loop in loops.items():
+        for name, loop in forward if start // BLOCK % 2 == 0 else forward[::-1]:
             seam.loop = name
             begin = _cpu()
             for i in range(start, stop):
