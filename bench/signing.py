@@ -2,16 +2,16 @@
 
     python bench/signing.py [--mode NORMAL] [--calls 300] [--rounds 3] [--dir DIR]
 
-Each round makes one SQLite ledger in a temp folder (or under DIR) and two `Ledger`s on
-it: unsigned (no trusted keys: today's default) and signed (the workers' trusted keys file,
-read with `TrustedKeys.from_file`, on the ledger and in the approval plan; approvals and
-resolutions signed by Ed25519 key files made with `Signer.create`). Everything a timed
-call needs (the request asked, the approvals made, the record made UNCERTAIN and resolved)
-is done before the clock starts; the clock times only the call that uses the decision.
-The loops run in alternating blocks of 25 calls (a noisy neighbour hits every loop
-alike; every other block in reverse order, so no loop always follows another), CPU time
-per call (user + system, this process): the fastest of a round's blocks,
-then the median of the rounds. Each loop runs unsigned and signed:
+Each round makes one SQLite ledger in a temp folder (made under DIR if given, removed at
+the end) and two `Ledger`s on it: unsigned (no trusted keys: today's default) and signed
+(the workers' trusted keys file, read with `TrustedKeys.from_file`, on the ledger and in
+the approval plan; approvals and resolutions signed by Ed25519 key files made with
+`Signer.create`). Everything a timed call needs (the request asked, the approvals made,
+the record made UNCERTAIN and resolved) is done before the clock starts; the clock times
+only the call that uses the decision. The loops run in alternating blocks of 25 calls (a
+noisy neighbour hits every loop alike; every other block in reverse order, so no loop
+always follows another), CPU time per call (user + system, this process): the fastest
+of a round's blocks, then the median of the rounds. Each loop runs unsigned and signed:
 
 1. granted call, 1 or 2 approvers: a fresh key per call, asked (`Ledger.run` with an
    approval plan raised `ApprovalRequired`) and approved by one approver, or by two (the
@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -281,18 +282,22 @@ def main() -> int:
     from crewai_idempotent import SQLiteCacheBackend
 
     folder = Path(tempfile.mkdtemp(prefix="signing-", dir=options.dir))
-    keys = Keys(folder / "keys")
     seam = Verifications()
     seam.install()
     rows: dict[str, list[float]] = {}
-    for round_no in range(options.rounds):
-        store = SQLiteCacheBackend(folder / f"ledger-{round_no}.db", synchronous=options.mode)
-        try:
-            measured = _round(Round(store, keys, f"r{round_no}", options.calls), seam)
-        finally:
-            store.close()
-        for name, value in measured.items():
-            rows.setdefault(name, []).append(value)
+    try:
+        keys = Keys(folder / "keys")
+        for round_no in range(options.rounds):
+            path = folder / f"ledger-{round_no}.db"
+            store = SQLiteCacheBackend(path, synchronous=options.mode)
+            try:
+                measured = _round(Round(store, keys, f"r{round_no}", options.calls), seam)
+            finally:
+                store.close()
+            for name, value in measured.items():
+                rows.setdefault(name, []).append(value)
+    finally:
+        shutil.rmtree(folder)  # some 40 MB a round at the defaults, and private keys
 
     median = {name: statistics.median(values) * 1e6 for name, values in rows.items()}
     timed = options.calls * options.rounds
