@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     from .ledger._record import Record
 
 
+def shell_word(text: str) -> str:
+    """`text` as one word a shell reads back unchanged: in single quotes, as keys are
+    shown everywhere, and quoted by shlex when it holds a single quote itself (repr's
+    quoting is Python's: a key holding `'` and `$` came out in double quotes, in which
+    the shell expands `$`)."""
+    return f"'{text}'" if "'" not in text else shlex.quote(text)
+
+
 def command(ledger: str | None, *args: str) -> str:
     """A `crewai-idempotent` command line for a message: `--ledger URL` first when the
     ledger is not the CLI's default (`ledger` is its URL, passwords already `***`)."""
@@ -85,7 +93,7 @@ class OutcomeUncertain(IdempotencyError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        resolve = command(self.ledger, "resolve", repr(self.key), "--happened/--absent")
+        resolve = command(self.ledger, "resolve", shell_word(self.key), "--happened/--absent")
         return (
             f"outcome of idempotency key {self.key!r} is uncertain: {self.reason}. Nothing "
             "runs under this key until it is settled: reconcile it with the provider, then "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._errors import DecisionRefused, command
+from .._errors import DecisionRefused, command, shell_word
 from ._record import Record, Status
 
 if TYPE_CHECKING:
@@ -129,8 +129,8 @@ def check(record: Record, trusted: TrustedKeys, ledger: str | None = None) -> No
 
 def _hint(record: Record, ledger: str | None) -> str:
     resolve = command(
-        ledger, "resolve", repr(record.key), "--happened/--absent", "--reason", "TEXT", "--key",
-        "FILE",
+        ledger, "resolve", shell_word(record.key), "--happened/--absent", "--reason", "TEXT",
+        "--key", "FILE",
     )  # fmt: skip
     return (
         f"Check the provider, then settle it with a resolution signed by a trusted key: `{resolve}`"

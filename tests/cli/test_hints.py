@@ -8,8 +8,11 @@ name ledgers by URL, not by a Python repr.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +203,23 @@ def test_a_crew_tool_names_the_configured_ledger(isolated_crewai: Path, tmp_path
     with pytest.raises(ApprovalRequired) as refused:
         tool.run(amount=2, recipient="bob")
     assert "`crewai-idempotent approvals approve ap_" in str(refused.value)
+
+
+def test_a_key_with_a_quote_and_a_dollar_sign_is_pasted_as_one_word(tmp_path: Path) -> None:
+    """repr quoted such a key in double quotes, in which the shell expanded `$USER`: the
+    pasted command named another key and changed nothing."""
+    backend = SQLiteCacheBackend(tmp_path / "ledger2.db")
+    ledger = Ledger(backend)
+    key = "pay:o'brien-$USER"
+    try:
+        refused = _uncertain(ledger, key)
+        (hint,) = re.findall(r"`crewai-idempotent ([^`]+)`", str(refused))
+        hint = hint.replace("--happened/--absent", "--absent --reason none")
+        line = f"{shlex.quote(sys.executable)} -m crewai_idempotent.cli {hint}"
+        env = {**os.environ, "USER": "alice"}
+        pasted = subprocess.run(["bash", "-c", line], env=env, capture_output=True, text=True)
+        assert pasted.returncode == 0, pasted.stderr
+        record = ledger.get(key)
+        assert record is not None and record.status is Status.FAILED
+    finally:
+        ledger.close()
