@@ -815,11 +815,12 @@ class _Machine:
     def _scan(self, status: Status | None) -> Step[Any]:
         return (yield _Call(lambda: list(self.backend.scan(status))))
 
-    def _delete(self, record: Record) -> Step[bool]:
-        deleted = yield _Call(self.backend.delete, record)
-        if deleted:
-            self._rooms.publish(record.key, None)
-        return bool(deleted)
+    def _delete(self, records: list[Record]) -> Step[int]:
+        deleted = yield _Call(self.backend.delete_many, records)
+        for record, gone in zip(records, deleted, strict=True):
+            if gone:
+                self._rooms.publish(record.key, None)
+        return sum(1 for gone in deleted if gone)
 
     def _release_unstarted(self, claim: Record) -> Step[None]:
         # The body never started, so nothing can have happened: FAILED lets the next

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +84,20 @@ def test_purge_holds_a_batch_whatever_the_ledger_holds(
     ledger_url: str, count: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _fill(ledger_url, count, ttl_passed=True)
-    watching = _Watching(SQLiteCacheBackend.delete, BATCH // 2)
-    monkeypatch.setattr(SQLiteCacheBackend, "delete", lambda self, record: watching(self, record))
+    watching = _Watching(SQLiteCacheBackend.delete_many, 1)
+    sizes: list[int] = []
+
+    def deleting(self: SQLiteCacheBackend, records: list[Record]) -> list[bool]:
+        sizes.append(len(records))
+        return watching(self, records)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(SQLiteCacheBackend, "delete_many", deleting)
     done = CliRunner().invoke(main, ["--ledger", ledger_url, "purge"])
     assert done.exit_code == 0, done.output
     assert f"purged {count} record(s)" in done.output
-    assert watching.calls == count and watching.most <= BATCH
+    # One write per hundred records (one commit each), never the ledger at once.
+    assert sum(sizes) == count and max(sizes) == 100 and len(sizes) == count // 100
+    assert watching.most <= BATCH
 
 
 def test_ls_lists_oldest_update_first_though_the_store_scans_by_key(ledger_url: str) -> None:
@@ -112,11 +120,11 @@ def test_a_purge_waits_out_a_store_busy_with_claims_instead_of_stopping_half_way
             self.refusals = refusals
             self.host_clock = None  # expiry judged by now() alone, which the test moves
 
-        def delete(self, current: Record) -> bool:
+        def delete_many(self, records: Sequence[Record]) -> list[bool]:
             if self.refusals:
                 self.refusals -= 1
                 raise LedgerUnavailable("the database stayed locked past the busy timeout")
-            return super().delete(current)
+            return super().delete_many(records)
 
     for refusals, purged in ((3, 4), (100, None)):
         backend = Busy(0)

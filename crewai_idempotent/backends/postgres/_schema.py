@@ -112,6 +112,13 @@ class Statements:
         )
         self.get = f"SELECT doc FROM {t} WHERE key = %s"
         self.delete = f"DELETE FROM {t} WHERE key = %s AND token = %s AND revision = %s"
+        # A batch of deletes as one statement (one commit): each row is deleted only if it
+        # is still as read, as `delete` does one at a time; the keys deleted come back.
+        self.delete_many = (
+            f"DELETE FROM {t} AS r USING unnest(%s::text[], %s::bigint[], %s::bigint[]) "
+            "AS d(key, token, revision) WHERE r.key = d.key AND r.token = d.token AND "
+            "r.revision = d.revision RETURNING r.key"
+        )
         # Prefix scans compare bytes (text_pattern_ops' operators, and C order): under a
         # linguistic collation a range of the primary key is not a prefix. The documents'
         # clause is written out, so the planner matches it to the partial index.

@@ -23,7 +23,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -651,6 +651,13 @@ class SQLiteCacheBackend(CacheBackend):
     def delete(self, current: Record) -> bool:
         return self._guard(_changed, _DELETE, (current.key, current.token, current.revision))
 
+    def delete_many(self, records: Sequence[Record]) -> list[bool]:
+        """The deletes in one write transaction, so one commit (one fsync) for the batch;
+        it holds the write lock for the batch's deletes, which the caller keeps short.
+        Raises `LedgerUnavailable` if the ledger cannot be written (nothing deleted)."""
+        rows = [(record.key, record.token, record.revision) for record in records]
+        return self._guard(_deleted_together, rows) if rows else []
+
     # -- listings: the index tables (`_indexes`) and `Select` (`_query`) ------------------
 
     def select(self, query: Select) -> Iterator[Record]:
@@ -830,6 +837,18 @@ def _claim(conn: sqlite3.Connection, params: tuple[Any, ...]) -> str | None:
 
 def _changed(conn: sqlite3.Connection, sql: str, params: tuple[Any, ...]) -> bool:
     return conn.execute(sql, params).rowcount == 1
+
+
+def _deleted_together(conn: sqlite3.Connection, rows: list[tuple[str, int, int]]) -> list[bool]:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        done = [conn.execute(_DELETE, row).rowcount == 1 for row in rows]
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return done
 
 
 def _fetch_doc(conn: sqlite3.Connection, key: str) -> str | None:
