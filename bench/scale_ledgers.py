@@ -770,7 +770,14 @@ class RedisLedgers(Ledgers):
             facts = load_redis(server.url(), shape)
             began = time.perf_counter()
             client = redis.Redis(port=server.port)
-            client.save()
+            # BGSAVE and wait: a blocking SAVE of 1M records outlasted the client's read
+            # timeout (redis-py's default), and the build was lost with it.
+            saved = client.lastsave()
+            client.bgsave()
+            while client.lastsave() == saved or client.info("persistence").get(
+                "rdb_bgsave_in_progress"
+            ):
+                time.sleep(0.2)
             client.close()
             facts["seconds"]["save"] = time.perf_counter() - began
             facts["total_s"] = sum(facts["seconds"].values())
