@@ -460,11 +460,13 @@ def _listing_table(data: dict[str, Any]) -> list[str]:
         pair = _growth_pair(sizes)
         target = LISTING_GROWTH[kind]
         rows = []
+        tries: set[int] = set()
         for name in measure.LISTINGS:
             cells, walls = [], {}
             for size in sizes:
                 figure = by_size[str(size)]["listings"].get(name, {})
                 walls[size] = figure.get("wall_s")
+                tries.add(len(figure.get("walls_s", [])) or 2)
                 rows_read = figure.get("rows")
                 read = f" ({rows_read:,} rows)" if rows_read is not None else ""
                 code = figure.get("exit")
@@ -475,7 +477,8 @@ def _listing_table(data: dict[str, Any]) -> list[str]:
             rows.append([f"`{name}`", *cells, _x(growth), _verdict(ok)])
         out += _table(
             f"**Listings, {NAMES[kind]}**: `crewai-idempotent ...` in a fresh process, best of "
-            f"2 (rows its scans read); target: {_growth_header(GROWTH)} <= {target}x",
+            f"{' or '.join(map(str, sorted(tries)))} (rows its scans read); "
+            f"target: {_growth_header(GROWTH)} <= {target}x",
             ["command", *(_label(s) for s in sizes), _growth_header(pair), "target"],
             rows,
             len(sizes) + 1,
